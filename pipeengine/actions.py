@@ -1,0 +1,203 @@
+"""Schedule data: actions, per-rank programs, stage placement and their text form (stdlib only)."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+__all__ = [
+    "Kind", "Action", "Step", "Schedule", "ScheduleError",
+    "parse_schedule", "format_schedule", "format_grid", "steps_of",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule that is malformed, incomplete, mis-paired or deadlocks; the message says where."""
+
+
+class Kind(str, enum.Enum):
+    """What an action does. Compute kinds run a stage; comm kinds move data to a neighbour."""
+
+    F = "F"            # forward of one microbatch through one chunk
+    B = "B"            # backward: full backward, or input-grad only when the schedule has W
+    W = "W"            # weight-grad part of a split backward (zero-bubble)
+    SEND_F = "sendF"   # send this chunk's output activation to the next stage
+    RECV_F = "recvF"   # receive this chunk's input activation from the previous stage
+    SEND_B = "sendB"   # send the gradient of this chunk's input to the previous stage
+    RECV_B = "recvB"   # receive the gradient of this chunk's output from the next stage
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.F, Kind.B, Kind.W)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_F, Kind.SEND_B)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_COMPUTE_RE = re.compile(r"^([FBW])(\d+)(?:\.(\d+))?$")
+_COMM_RE = re.compile(r"^(send|recv)([FB])(\d+)(?:\.(\d+))?([<>])(\d+)$")
+
+
+class Action(NamedTuple):
+    """One action of one rank: ``F3`` (chunk 0), ``B3.1`` (chunk 1), ``sendF3>1`` (to rank 1).
+
+    ``chunk`` is the rank's local model chunk. For comm actions it is the local chunk whose
+    data moves (the producer's chunk on a send, the consumer's chunk on a recv) and ``peer``
+    is the global position (rank index in the pipeline) of the other side.
+    """
+
+    kind: Kind
+    microbatch: int
+    chunk: int = 0
+    peer: int = -1
+
+    def __str__(self) -> str:
+        chunk = f".{self.chunk}" if self.chunk else ""
+        if self.kind.is_compute:
+            return f"{self.kind.value}{self.microbatch}{chunk}"
+        arrow = ">" if self.kind.is_send else "<"
+        return f"{self.kind.value}{self.microbatch}{chunk}{arrow}{self.peer}"
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """Inverse of ``str()``: ``Action.parse("recvB2.1<3")``."""
+        t = text.strip()
+        m = _COMPUTE_RE.match(t)
+        if m:
+            return Action(Kind(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+        m = _COMM_RE.match(t)
+        if m:
+            op, fb, mb, chunk, arrow, peer = m.groups()
+            if (op == "send") != (arrow == ">"):
+                raise ScheduleError(f"action {t!r}: a send points '>' to its peer, a recv '<' from it")
+            return Action(Kind(op + fb), int(mb), int(chunk or 0), int(peer))
+        raise ScheduleError(
+            f"cannot parse action {t!r}: expected F3, B3, W3 (optionally with a chunk, F3.1), or a "
+            f"comm action like sendF3>1, recvF3<0, sendB3>0, recvB3<1")
+
+
+Step = tuple[Action, ...]
+"""One step of a rank's program: a single compute action, or a batch of comm actions posted
+together (one ``batch_isend_irecv``)."""
+
+
+@dataclass
+class Schedule:
+    """Per-rank programs for ``pp`` ranks, ``microbatches`` microbatches and ``chunks`` chunks per rank.
+
+    Placement is Megatron's looping one: chunk ``c`` of rank ``r`` is pipeline stage
+    ``c * pp + r``, so stage ``s`` feeds stage ``s + 1`` on the next rank and the last rank
+    feeds the first one's next chunk. ``programs[r]`` is rank r's list of steps; before
+    lowering every step is one compute action.
+    """
+
+    name: str
+    pp: int
+    microbatches: int
+    chunks: int = 1
+    programs: list[list[Step]] = field(default_factory=list)
+    lowered: bool = False
+    forward_only: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks
+
+    @property
+    def split_backward(self) -> bool:
+        """True when backward is split into B (input grad) and W (weight grad)."""
+        return any(a.kind is Kind.W for prog in self.programs for step in prog for a in step)
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.pp + rank
+
+    def placement(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding a stage."""
+        return stage % self.pp, stage // self.pp
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for step in self.programs[rank] for a in step if a.kind.is_compute]
+
+
+def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = (), max_steps: int = 40) -> str:
+    """The step x rank grid, one row per rank; each step in ``marks`` (rank, index) shows as ``>>x<<``."""
+    rows = []
+    for r, prog in enumerate(schedule.programs):
+        cells = []
+        for i, step in enumerate(prog):
+            cell = "+".join(str(a) for a in step)
+            cells.append(f">>{cell}<<" if (r, i) in marks else cell)
+        if len(cells) > max_steps:
+            mine = [i for rank, i in marks if rank == r]
+            centre = mine[0] if mine else 0
+            lo = max(0, min(centre - max_steps // 2, len(cells) - max_steps))
+            cells = (["..."] if lo else []) + cells[lo:lo + max_steps] + (
+                ["..."] if lo + max_steps < len(cells) else [])
+        rows.append(f"  rank {r} | " + " ".join(cells))
+    return "\n".join(rows)
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """The text form read by :func:`parse_schedule`: one line per rank, steps separated by spaces."""
+    head = (f"# schedule={schedule.name} pp={schedule.pp} microbatches={schedule.microbatches} "
+            f"chunks={schedule.chunks}\n")
+    body = "\n".join(" ".join("+".join(str(a) for a in step) for step in prog)
+                     for prog in schedule.programs)
+    return head + body + "\n"
+
+
+def parse_schedule(text: str, name: str = "custom") -> Schedule:
+    """Read a schedule written one line per rank (rank 0 first).
+
+    Steps are separated by spaces or commas (so a CSV row works); ``.`` and empty cells are
+    idle markers and are skipped; comm actions posted together are joined with ``+``. Lines
+    starting with ``#`` are comments; ``# ... pp=4 microbatches=8 chunks=2`` may set the sizes,
+    otherwise they are inferred (pp = number of lines, microbatches and chunks from the largest
+    indices seen). A schedule with any comm action is taken as already lowered.
+    """
+    programs: list[list[Step]] = []
+    sizes: dict[str, int] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            for key, value in re.findall(r"(pp|microbatches|chunks)=(\d+)", line):
+                sizes[key] = int(value)
+            continue
+        line = re.sub(r"^rank\s*\d+\s*[:|]", "", line)
+        prog: list[Step] = []
+        for token in re.split(r"[,\s]+", line):
+            if token in ("", "."):
+                continue
+            try:
+                prog.append(tuple(Action.parse(part) for part in token.split("+")))
+            except ScheduleError as exc:
+                raise ScheduleError(f"line {lineno}: {exc}") from None
+        programs.append(prog)
+    if not programs:
+        raise ScheduleError("the schedule text has no rank lines")
+    actions = [a for prog in programs for step in prog for a in step]
+    lowered = any(not a.kind.is_compute for a in actions)
+    for prog in programs:
+        for step in prog:
+            if len(step) > 1 and any(a.kind.is_compute for a in step):
+                raise ScheduleError(f"step {'+'.join(map(str, step))}: only comm actions can be joined with '+'")
+    pp = sizes.get("pp", len(programs))
+    if pp != len(programs):
+        raise ScheduleError(f"header says pp={pp} but the text has {len(programs)} rank lines")
+    mbs = sizes.get("microbatches", 1 + max((a.microbatch for a in actions), default=-1))
+    chunks = sizes.get("chunks", 1 + max((a.chunk for a in actions), default=0))
+    forward_only = bool(actions) and all(a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F) for a in actions)
+    return Schedule(name, pp, mbs, chunks, programs, lowered=lowered, forward_only=forward_only)
+
+
+def steps_of(actions: Sequence[Action]) -> list[Step]:
+    """Wrap a compute-only action list as single-action steps."""
+    return [(a,) for a in actions]
