@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# launch/pipe.sh — start pipeengine's trainer on N processes with torchrun.
+#
+#   launch/pipe.sh N gpus|cpus [--pp P] [trainer flags...]
+#
+#   N        processes on this node (one per GPU for "gpus")
+#   gpus     NCCL backend, device cuda (one process per GPU)
+#   cpus     Gloo backend, device cpu; the node's cores are split fairly: OMP_NUM_THREADS=cores/N
+#   --pp P   pipeline stages; dp = world / P. Default: pp = N/2 (at most 8) for even N >= 4,
+#            otherwise pp = N (e.g. 8 gpus -> pp=4 x dp=2, 4 cpus -> pp=2 x dp=2)
+#   the rest goes to `python -m pipeengine.train` (see `python -m pipeengine.train --help`)
+#
+# Environment (multi-node through torchrun's static rendezvous; defaults = one node):
+#   NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
+#   LOG_RANK=0        which local rank's output to show (torchrun --local-ranks-filter); "all" for every rank
+#   PYTHON=python     interpreter to use
+# Example, two nodes of 8 GPUs (run on each node with its NODE_RANK):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/pipe.sh 8 gpus --pp 8 --model gpt --preset small
+# Slurm: see launch/slurm.sbatch.
+set -euo pipefail
+
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+
+if [[ $# -lt 2 || "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    usage
+    [[ $# -ge 1 && ( "$1" == "-h" || "$1" == "--help" ) ]] && exit 0 || exit 2
+fi
+NPROC=$1; KIND=$2; shift 2
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    echo "pipe.sh: N must be a positive integer (got '$NPROC'); usage: launch/pipe.sh N gpus|cpus [flags]" >&2; exit 2
+fi
+case "$KIND" in
+    gpus|gpu) DEVICE=cuda; BACKEND=nccl ;;
+    cpus|cpu) DEVICE=cpu; BACKEND=gloo ;;
+    *) echo "pipe.sh: second argument must be 'gpus' or 'cpus' (got '$KIND')" >&2; exit 2 ;;
+esac
+
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+LOG_RANK=${LOG_RANK:-0}
+PYTHON=${PYTHON:-python}
+WORLD=$((NPROC * NNODES))
+
+# --pp from the trainer flags, or the default split
+PP=""
+ARGS=("$@")
+for ((i = 0; i < ${#ARGS[@]}; i++)); do
+    case "${ARGS[$i]}" in
+        --pp) PP=${ARGS[$((i + 1))]:-} ;;
+        --pp=*) PP=${ARGS[$i]#--pp=} ;;
+    esac
+done
+if [[ -z "$PP" ]]; then
+    if (( WORLD >= 4 && WORLD % 2 == 0 )); then PP=$((WORLD / 2)); (( PP > 8 )) && PP=8; else PP=$WORLD; fi
+    while (( WORLD % PP != 0 )); do PP=$((PP - 1)); done
+    ARGS+=(--pp "$PP")
+fi
+if ! [[ "$PP" =~ ^[1-9][0-9]*$ ]] || (( WORLD % PP != 0 )); then
+    echo "pipe.sh: --pp $PP does not divide the world size $WORLD (= $NPROC x $NNODES nodes)" >&2; exit 2
+fi
+echo "pipe.sh: $WORLD ranks = pp $PP x dp $((WORLD / PP)) on $NNODES node(s), $BACKEND on $DEVICE"
+
+if [[ "$DEVICE" == cpu ]]; then
+    CORES=$(nproc 2>/dev/null || echo 1)
+    export OMP_NUM_THREADS=$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))
+fi
+
+FILTER=()
+[[ "$LOG_RANK" != all ]] && FILTER=(--local-ranks-filter "$LOG_RANK" --tee 3)
+if (( NNODES > 1 )); then
+    RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+else
+    RDZV=(--standalone)
+fi
+
+set -x
+exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" "${FILTER[@]}" \
+    -m pipeengine.train --device "$DEVICE" --backend "$BACKEND" "${ARGS[@]}"

@@ -1,0 +1,175 @@
+"""Deterministic, DP-sharded data with no downloads: global batches by (seed, step), byte corpus, images.
+
+The global batch of step t is a function of (seed, step, dataset size) only; replica r takes the
+r-th contiguous slice and microbatch k the k-th chunk of that slice. So a pp x dp job sees exactly
+the examples one process sees with the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from typing import Protocol
+
+import torch
+
+__all__ = ["Source", "global_batch_indices", "shard_microbatches", "batches", "ByteCorpus", "ImageSource",
+           "SyntheticRegression"]
+
+
+class Source(Protocol):
+    def num_examples(self, split: str) -> int: ...
+    def example(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def global_batch_indices(num_examples: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
+    """Indices of step ``step``'s global batch: consecutive slices of a per-epoch permutation.
+
+    Epoch e uses ``randperm(num_examples)`` seeded by ``seed * 1_000_003 + e``; a batch that
+    crosses an epoch end continues into the next epoch's permutation.
+    """
+    if num_examples < 1:
+        raise ValueError("the dataset is empty")
+    out: list[torch.Tensor] = []
+    start = step * global_batch
+    while sum(len(t) for t in out) < global_batch:
+        epoch, offset = divmod(start, num_examples)
+        perm = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        take = min(global_batch - sum(len(t) for t in out), num_examples - offset)
+        out.append(perm[offset:offset + take])
+        start += take
+    return torch.cat(out)
+
+
+def shard_microbatches(indices: torch.Tensor, dp_rank: int, dp_size: int, microbatches: int) -> list[torch.Tensor]:
+    """This replica's slice of the global batch, cut into ``microbatches`` equal microbatches."""
+    g = len(indices)
+    if g % (dp_size * microbatches):
+        raise ValueError(f"global batch {g} is not divisible by dp={dp_size} x microbatches={microbatches}")
+    per = g // dp_size
+    mine = indices[dp_rank * per:(dp_rank + 1) * per]
+    return list(mine.chunk(microbatches))
+
+
+def batches(source: Source, split: str, step: int, seed: int, dp_rank: int, dp_size: int, microbatches: int,
+            micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (inputs, targets) microbatches of replica ``dp_rank`` at ``step``."""
+    g = dp_size * microbatches * micro_batch_size
+    idx = global_batch_indices(source.num_examples(split), g, step, seed + (0 if split == "train" else 7919))
+    out = []
+    for mb in shard_microbatches(idx, dp_rank, dp_size, microbatches):
+        xs, ys = zip(*(source.example(split, int(i)) for i in mb))
+        out.append((torch.stack(xs), torch.stack(ys)))
+    return out
+
+
+def _stdlib_bytes(max_bytes: int) -> bytes:
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        skip = ("site-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3")
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                with open(os.path.join(dirpath, name), "rb") as fh:
+                    data = fh.read()
+                chunks.append(data)
+                total += len(data)
+                if total >= max_bytes:
+                    return b"".join(chunks)[:max_bytes]
+    return b"".join(chunks)
+
+
+def _path_bytes(path: str, max_bytes: int) -> bytes:
+    if not os.path.exists(path):
+        raise ValueError(f"--data {path!r} does not exist; give a text file or a folder of text files")
+    if os.path.isfile(path):
+        with open(path, "rb") as fh:
+            return fh.read(max_bytes)
+    chunks, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames):
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                data = fh.read(max_bytes - total)
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                return b"".join(chunks)
+    return b"".join(chunks)
+
+
+class ByteCorpus:
+    """Byte-level text: the Python standard library's own sources by default, or a file/folder."""
+
+    def __init__(self, path: str | None = None, block_size: int = 64, max_bytes: int = 4_000_000,
+                 val_fraction: float = 0.1) -> None:
+        raw = _stdlib_bytes(max_bytes) if path is None else _path_bytes(path, max_bytes)
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long() if raw else torch.zeros(0, dtype=torch.long)
+        n_val = int(len(data) * val_fraction)
+        self.train, self.val = data[:len(data) - n_val], data[len(data) - n_val:]
+        self.block_size = block_size
+        for split, d in (("train", self.train), ("validation", self.val)):
+            if len(d) < block_size + 1:
+                raise ValueError(f"the {split} text has {len(d)} bytes, fewer than block_size+1 = {block_size + 1}; "
+                                 f"give more text (--data) or a smaller block size")
+
+    def _data(self, split: str) -> torch.Tensor:
+        return self.train if split == "train" else self.val
+
+    def num_examples(self, split: str) -> int:
+        return len(self._data(split)) - self.block_size
+
+    def example(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self._data(split)
+        return d[index:index + self.block_size], d[index + 1:index + 1 + self.block_size]
+
+
+class ImageSource:
+    """torchvision FakeData (deterministic, made locally) or an ImageFolder, resized to ``image_size``."""
+
+    def __init__(self, path: str | None, image_size: int, num_classes: int, size: int = 2048, seed: int = 0) -> None:
+        from torchvision import datasets, transforms
+        tf = transforms.Compose([transforms.Resize((image_size, image_size)), transforms.ToTensor()])
+        if path is None:
+            self.sets = {split: datasets.FakeData(size=n, image_size=(3, image_size, image_size),
+                                                  num_classes=num_classes, transform=transforms.ToTensor(),
+                                                  random_offset=seed + off)
+                         for split, n, off in (("train", size, 0), ("val", size // 8, 10**6))}
+        else:
+            if not os.path.isdir(path):
+                raise ValueError(f"--data {path!r} is not a folder; give an ImageFolder root "
+                                 f"(one sub-folder per class)")
+            full = datasets.ImageFolder(path, transform=tf)
+            n_val = max(1, len(full) // 10)
+            perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
+            self.sets = {"train": torch.utils.data.Subset(full, perm[n_val:]),
+                         "val": torch.utils.data.Subset(full, perm[:n_val])}
+
+    def num_examples(self, split: str) -> int:
+        return len(self.sets["train" if split == "train" else "val"])
+
+    def example(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        img, label = self.sets["train" if split == "train" else "val"][index]
+        return img, torch.tensor(int(label))
+
+
+class SyntheticRegression:
+    """Inputs x ~ N(0, 1) and targets from a fixed random teacher network: learnable, made locally."""
+
+    def __init__(self, in_dim: int, out_dim: int, size: int = 4096, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(size, in_dim, generator=g)
+        w1 = torch.randn(in_dim, 64, generator=g) / in_dim ** 0.5
+        w2 = torch.randn(64, out_dim, generator=g) / 8
+        y = torch.tanh(x @ w1) @ w2
+        n_val = size // 8
+        self.x = {"train": x[n_val:], "val": x[:n_val]}
+        self.y = {"train": y[n_val:], "val": y[:n_val]}
+
+    def num_examples(self, split: str) -> int:
+        return len(self.x["train" if split == "train" else "val"])
+
+    def example(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = "train" if split == "train" else "val"
+        return self.x[s][index], self.y[s][index]

@@ -1,0 +1,122 @@
+"""A decoder-only transformer (GPT) as a layer list, LM head tied to the token embedding."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .data import ByteCorpus
+
+__all__ = ["Config", "presets", "build", "loss_fn", "tied_parameters", "make_source"]
+
+
+@dataclass
+class Config:
+    vocab_size: int = 256   #: 256 for the byte-level corpus
+    block_size: int = 64    #: context length (tokens per example)
+    n_layer: int = 4        #: transformer blocks (the layer list has n_layer + 2 entries)
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"gpt {k} must be >= 1 (got {getattr(self, k)})")
+
+
+def presets() -> dict[str, Callable[[], Config]]:
+    return {
+        "tiny": lambda: Config(block_size=64, n_layer=6, n_head=4, n_embd=64),
+        "small": lambda: Config(block_size=128, n_layer=8, n_head=8, n_embd=256),
+        "gpt2-124m": lambda: Config(vocab_size=256, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    }
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x)); causal attention."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.fc_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the LM head (its weight is the token embedding's)."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def build(cfg: Config) -> list[nn.Module]:
+    """[Embedding, Block x n_layer, Head]; head.lm_head.weight IS embedding.wte.weight."""
+    emb, head = Embedding(cfg), Head(cfg)
+    blocks = [Block(cfg) for _ in range(cfg.n_layer)]
+    for module in [emb, *blocks, head]:
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                # GPT-2 init; residual projections scaled by 1/sqrt(2 n_layer)
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+    head.lm_head.weight = emb.wte.weight
+    return [emb, *blocks, head]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def tied_parameters(layers: list[nn.Module]) -> list[list[tuple[int, str]]]:
+    return [[(0, "wte.weight"), (len(layers) - 1, "lm_head.weight")]]
+
+
+def make_source(cfg: Config, data_path: str | None) -> ByteCorpus:
+    if cfg.vocab_size < 256:
+        raise ValueError(f"the byte corpus needs vocab_size >= 256 (got {cfg.vocab_size})")
+    return ByteCorpus(data_path, block_size=cfg.block_size)

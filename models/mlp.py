@@ -1,0 +1,61 @@
+"""A deep residual MLP as a layer list, for quick runs; data from a fixed random teacher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .data import SyntheticRegression
+
+__all__ = ["Config", "presets", "build", "loss_fn", "tied_parameters", "make_source"]
+
+
+@dataclass
+class Config:
+    in_dim: int = 32      #: input features
+    hidden: int = 128     #: width of every hidden block
+    depth: int = 8        #: residual blocks between the input and output layers
+    out_dim: int = 8      #: regression targets
+
+    def __post_init__(self) -> None:
+        for k in ("in_dim", "hidden", "depth", "out_dim"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"mlp {k} must be >= 1 (got {getattr(self, k)})")
+
+
+def presets() -> dict[str, Callable[[], Config]]:
+    return {"tiny": lambda: Config(hidden=64, depth=8), "small": lambda: Config(hidden=256, depth=14),
+            "large": lambda: Config(hidden=2048, depth=30)}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.fc(self.norm(x)))
+
+
+def build(cfg: Config) -> list[nn.Module]:
+    """Input projection, ``depth`` residual blocks, output head: depth + 2 layers."""
+    return [nn.Linear(cfg.in_dim, cfg.hidden)] + [Block(cfg.hidden) for _ in range(cfg.depth)] + [
+        nn.Sequential(nn.LayerNorm(cfg.hidden), nn.Linear(cfg.hidden, cfg.out_dim))]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def tied_parameters(layers: list[nn.Module]) -> list[list[tuple[int, str]]]:
+    return []
+
+
+def make_source(cfg: Config, data_path: str | None) -> SyntheticRegression:
+    if data_path is not None:
+        raise ValueError("the mlp trains on synthetic data; --data is for gpt (text) and resnet (images)")
+    return SyntheticRegression(cfg.in_dim, cfg.out_dim)

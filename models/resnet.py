@@ -1,0 +1,69 @@
+"""A torchvision ResNet (random init, no download) flattened into a layer list.
+
+Layers: the stem (conv1, bn1, relu, maxpool), every residual block of layer1..layer4, and the head
+(avgpool, flatten, fc): 10 layers for resnet18, 18 for resnet50. BatchNorm statistics are
+computed per microbatch, so pipelined BatchNorm training is not bit-equal to one large batch;
+``norm="group"`` swaps BatchNorm for GroupNorm, which makes it equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .data import ImageSource
+
+__all__ = ["Config", "presets", "build", "flatten", "loss_fn", "tied_parameters", "make_source"]
+
+
+@dataclass
+class Config:
+    arch: str = "resnet18"   #: resnet18 or resnet50
+    num_classes: int = 10
+    image_size: int = 32     #: images are resized to image_size x image_size
+    norm: str = "batch"      #: batch or group
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("resnet18", "resnet50"):
+            raise ValueError(f"arch must be resnet18 or resnet50 (got {self.arch!r})")
+        if self.norm not in ("batch", "group"):
+            raise ValueError(f"norm must be batch or group (got {self.norm!r})")
+        if self.num_classes < 2 or self.image_size < 8:
+            raise ValueError(f"need num_classes >= 2 and image_size >= 8 (got {self.num_classes}, {self.image_size})")
+
+
+def presets() -> dict[str, Callable[[], Config]]:
+    return {"tiny": lambda: Config(), "resnet18": lambda: Config(), "resnet18-gn": lambda: Config(norm="group"),
+            "resnet50": lambda: Config(arch="resnet50", image_size=64),
+            "resnet50-imagenet": lambda: Config(arch="resnet50", num_classes=1000, image_size=224)}
+
+
+def flatten(model: Any) -> list[nn.Module]:
+    """A torchvision ResNet as [stem, block, ..., block, head]."""
+    stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
+    blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+    head = nn.Sequential(model.avgpool, nn.Flatten(1), model.fc)
+    return [stem, *blocks, head]
+
+
+def build(cfg: Config) -> list[nn.Module]:
+    import torchvision
+    kw: dict[str, Any] = {"weights": None, "num_classes": cfg.num_classes}
+    if cfg.norm == "group":
+        kw["norm_layer"] = lambda c: nn.GroupNorm(32, c)
+    return flatten(getattr(torchvision.models, cfg.arch)(**kw))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, target)
+
+
+def tied_parameters(layers: list[nn.Module]) -> list[list[tuple[int, str]]]:
+    return []
+
+
+def make_source(cfg: Config, data_path: str | None) -> ImageSource:
+    return ImageSource(data_path, cfg.image_size, cfg.num_classes)
