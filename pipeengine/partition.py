@@ -34,8 +34,9 @@ def balance_min_max(weights: Sequence[float], num_parts: int) -> list[int]:
     """Contiguous split of ``weights`` into ``num_parts`` non-empty parts minimising the largest part sum.
 
     Exact (dynamic programming over prefix sums, O(parts * n^2)), not greedy. Returns bounds of
-    length ``num_parts + 1``. Among optimal splits the earliest boundaries win (later stages get
-    more layers), a deterministic tie-break: the last stage also computes the loss.
+    length ``num_parts + 1``. Ties are broken deterministically: every prefix keeps its earliest
+    optimal cut, so the earlier stages are balanced too and, with equal weights, the later stages
+    take the extra layers (the last stage also computes the loss).
     """
     n = len(weights)
     if num_parts < 1:

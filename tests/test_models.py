@@ -1,0 +1,93 @@
+"""Example models and data: layer lists equal to the reference models, ties, determinism, sharding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from models import data, gpt, mlp, resnet
+
+
+def chain(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def test_resnet18_flattened_equals_torchvision() -> None:
+    import torchvision
+    torch.manual_seed(0)
+    ref = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    layers = resnet.flatten(ref)
+    assert len(layers) == 10
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(chain(layers, x), ref(x))
+    assert len(resnet.build(resnet.Config(arch="resnet50"))) == 18
+
+
+def test_gpt_is_causal_and_tied() -> None:
+    torch.manual_seed(0)
+    cfg = gpt.presets()["tiny"]()
+    layers = gpt.build(cfg)
+    assert len(layers) == cfg.n_layer + 2
+    assert layers[-1].lm_head.weight is layers[0].wte.weight
+    (a, _), (b, _) = gpt.tied_parameters(layers)[0]
+    assert layers[a].get_parameter("wte.weight") is layers[b].get_parameter("lm_head.weight")
+    x = torch.randint(0, 256, (1, 16))
+    y = x.clone()
+    y[0, 10] = (y[0, 10] + 1) % 256
+    out_x, out_y = chain(layers, x), chain(layers, y)
+    assert out_x.shape == (1, 16, 256)
+    torch.testing.assert_close(out_x[:, :10], out_y[:, :10])
+    assert not torch.allclose(out_x[:, 10:], out_y[:, 10:])
+
+
+def test_global_batches_are_deterministic_and_shard_exactly() -> None:
+    a = data.global_batch_indices(100, 16, 3, seed=1)
+    assert torch.equal(a, data.global_batch_indices(100, 16, 3, seed=1))
+    assert not torch.equal(a, data.global_batch_indices(100, 16, 4, seed=1))
+    dp2 = [mb for r in range(2) for mb in data.shard_microbatches(a, r, 2, 2)]
+    assert torch.equal(torch.cat(dp2), torch.cat(data.shard_microbatches(a, 0, 1, 4)))
+    with pytest.raises(ValueError, match="global batch 16 is not divisible by dp=3 x microbatches=2"):
+        data.shard_microbatches(a, 0, 3, 2)
+
+
+def test_byte_corpus_default_and_path(tmp_path: Path) -> None:
+    c1, c2 = data.ByteCorpus(max_bytes=200_000), data.ByteCorpus(max_bytes=200_000)
+    assert torch.equal(c1.train, c2.train) and len(c1.train) + len(c1.val) == 200_000
+    x, y = c1.example("train", 5)
+    assert torch.equal(x[1:], y[:-1])
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("more text " * 50)
+    c3 = data.ByteCorpus(str(tmp_path), block_size=16)
+    assert len(c3.train) + len(c3.val) == 1100
+    with pytest.raises(ValueError, match="does not exist"):
+        data.ByteCorpus(str(tmp_path / "missing"))
+
+
+def test_fake_images_are_reproducible() -> None:
+    a = data.ImageSource(None, 32, 10).example("train", 7)
+    b = data.ImageSource(None, 32, 10).example("train", 7)
+    assert torch.equal(a[0], b[0]) and int(a[1]) == int(b[1]) and a[0].shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize("mod,preset", [(mlp, "tiny"), (gpt, "tiny")])
+def test_a_few_steps_reduce_the_loss(mod, preset: str) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    cfg = mod.presets()[preset]()
+    layers = mod.build(cfg)
+    src = mod.make_source(cfg, None) if mod is mlp else data.ByteCorpus(max_bytes=100_000, block_size=cfg.block_size)
+    opt = torch.optim.Adam(nn.ModuleList(layers).parameters(), lr=3e-3)
+    losses = []
+    for step in range(15):
+        (x, y), = data.batches(src, "train", step, 0, 0, 1, 1, 16)
+        loss = mod.loss_fn(chain(layers, x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
