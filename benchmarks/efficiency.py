@@ -1,0 +1,247 @@
+"""Engine efficiency against the ideal schedule, and against torch.distributed.pipelining, side by side.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/efficiency.py \\
+        --schedules 1f1b gpipe --microbatches 8 32 --tf 0.01 --tb 0.01 --tw 0.01
+    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/efficiency.py --real
+
+Sleep mode: every stage is a SleepStage (benchmarks/sleep_stages.py) whose F, B (input grad) and
+W (weight grad) sleep the given seconds and pass a real activation (--act rows x cols float32).
+A schedule without W runs B+W in its backward. For chunks > 1 each chunk sleeps 1/chunks of the
+times, so every schedule does the same work. Per configuration it reports the median step time of
+each engine, the simulator's ideal makespan for the same costs (free communication), efficiency =
+ideal / measured, overhead per compute action, peak stored activations per stage, and the
+throughput ratio ours / torch.distributed.pipelining. Engines alternate (ours, theirs, ours, ...).
+
+Real mode (2 processes): an MLP whose step takes about a second on one thread, run unsplit with
+gradient accumulation on rank 0 and as pp=2 1F1B on both ranks, same global batch and microbatches;
+reports the speedup and its ratio to the ideal p*m/(m+p-1).
+
+Output: one JSON line per configuration on rank 0 (to stdout and --out), then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.sleep_stages import sleep_layers  # noqa: E402
+from pipeengine.engine import PipelineEngine  # noqa: E402
+from pipeengine.schedule import Costs, simulate  # noqa: E402
+from pipeengine.topology import Topology  # noqa: E402
+
+CHUNKS = {"interleaved-1f1b": 2}
+
+
+def _loss(out: torch.Tensor, target: Any) -> torch.Tensor:
+    return out.float().mean()
+
+
+def _median_step(run_step: Callable[[], None], steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run_step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
+    v = CHUNKS.get(name, 1)
+    layers = sleep_layers(pp * v, *(x / v for x in t))
+    engine = PipelineEngine(layers, _loss, lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(pp, 1),
+                            schedule=name, microbatches=m, chunks=v, partition=list(range(pp * v + 1)),
+                            costs=Costs(*(x / v for x in t)))
+    x = torch.randn(*act)
+    peaks: dict[int, int] = {}
+
+    def step() -> None:
+        res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
+        peaks.update(res.peak_stored)
+
+    return {"engine": engine, "step": step, "peaks": peaks}
+
+
+def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    v = CHUNKS.get(name, 1)
+    rank = dist.get_rank()
+    n = pp * v
+    mods = sleep_layers(v, *(x / v for x in t))
+    stages = [PipelineStage(mods[c], rank + c * pp, n, torch.device("cpu"), input_args=(torch.randn(*act),))
+              for c in range(v)]
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+           "zb-h1": ScheduleInterleavedZeroBubble}[name]
+    sched = cls(stages if name in ("interleaved-1f1b", "zb-h1") else stages[0], n_microbatches=m, loss_fn=_loss)
+    full = torch.randn(act[0] * m, act[1])
+    first, last = rank == 0, rank == (n - 1) % pp
+
+    def step() -> None:
+        kw: dict[str, Any] = {}
+        if last:
+            kw["target"] = torch.zeros(act[0] * m)
+            kw["losses"] = []
+        if first:
+            sched.step(full, **kw)
+        else:
+            sched.step(**kw)
+
+    return {"step": step}
+
+
+def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int], steps: int,
+               warmup: int, engines: list[str]) -> dict[str, Any] | None:
+    v = CHUNKS.get(name, 1)
+    runners: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for e in engines:
+        try:
+            runners[e] = (ours if e == "ours" else theirs)(name, pp, m, t, act)
+            for _ in range(warmup):
+                runners[e]["step"]()
+        except Exception as exc:  # report, do not abort the sweep (e.g. an unsupported schedule)
+            errors[e] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            runners.pop(e, None)
+    times: dict[str, list[float]] = {e: [] for e in runners}
+    half = max(1, steps // 2)
+    for rnd in range(2):   # alternate engines so machine noise hits both
+        for e in runners:
+            times[e] += _median_step(runners[e]["step"], half if rnd == 0 else steps - half)
+    sched = runners["ours"]["engine"].schedule if "ours" in runners else None
+    peaks = runners["ours"]["peaks"] if "ours" in runners else {}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, peaks)
+    if dist.get_rank() != 0:
+        return None
+    costs = Costs(*(x / v for x in t))
+    ideal = simulate(sched, costs).makespan if sched is not None else float("nan")
+    row: dict[str, Any] = {"schedule": name, "pp": pp, "microbatches": m, "chunks": v, "tf": t[0], "tb": t[1],
+                           "tw": t[2], "act": list(act), "steps": steps, "ideal_s": ideal, "errors": errors}
+    actions_per_rank = m * v * (3 if name == "zb-h1" else 2)
+    for e, ts in times.items():
+        med = statistics.median(ts)
+        row[f"{e}_median_s"] = med
+        row[f"{e}_efficiency"] = ideal / med
+        row[f"{e}_overhead_ms_per_action"] = (med - ideal) / actions_per_rank * 1000
+    if "ours" in times:
+        row["ours_peak_stored"] = {str(k): v for p in gathered for k, v in p.items()}
+    if "ours" in times and "torch" in times:
+        row["ratio_ours_over_torch"] = row["torch_median_s"] / row["ours_median_s"]
+    return row
+
+
+def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) -> dict[str, Any] | None:
+    """pp=2 on 2 processes vs the unsplit model on one, same global batch and microbatches."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(depth)]
+    x = torch.randn(global_batch, hidden)
+    y = torch.randn(global_batch, hidden)
+    mbs = list(zip(x.chunk(m), y.chunk(m)))
+    rank = dist.get_rank()
+    single: list[float] = []
+    if rank == 0:
+        net = nn.Sequential(*layers)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            for xb, yb in mbs:   # gradient accumulation over the same microbatches
+                (nn.functional.mse_loss(net(xb), yb) / m).backward()
+            opt.step()
+            if i:
+                single.append(time.perf_counter() - t0)
+    dist.barrier()
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(depth)]
+    engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e-4),
+                            topology=Topology(2, 1), schedule="1f1b", microbatches=m, partition="uniform")
+    engine.train_batch(iter(mbs))
+    piped = _median_step(lambda: engine.train_batch(iter(mbs)) and None, steps)
+    if rank != 0:
+        return None
+    speedup = statistics.median(single) / statistics.median(piped)
+    ideal = 2 * m / (m + 1)
+    return {"mode": "real", "hidden": hidden, "depth": depth, "global_batch": global_batch, "microbatches": m,
+            "single_s": statistics.median(single), "pp2_s": statistics.median(piped), "speedup": speedup,
+            "ideal_speedup": ideal, "ratio_to_ideal": speedup / ideal}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| schedule | pp | m | ideal (s) | ours (s) | ours eff. | ovh/action (ms) | torch (s) | torch eff. | "
+            "ours/torch throughput |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        def f(key: str, fmt: str = "{:.3f}") -> str:
+            return fmt.format(r[key]) if key in r else "n/a"
+        lines.append(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['ideal_s']:.3f} | {f('ours_median_s')} | "
+                     f"{f('ours_efficiency')} | {f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
+                     f"{f('torch_efficiency')} | {f('ratio_ours_over_torch', '{:.2f}x')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedules", nargs="+", default=["1f1b"],
+                   help="gpipe, 1f1b, interleaved-1f1b (2 chunks), zb-h1")
+    p.add_argument("--microbatches", nargs="+", type=int, default=[8])
+    p.add_argument("--tf", type=float, default=0.010, help="forward seconds per stage (default 0.010)")
+    p.add_argument("--tb", type=float, default=0.010, help="input-grad seconds per stage (default 0.010)")
+    p.add_argument("--tw", type=float, default=0.010, help="weight-grad seconds per stage (default 0.010)")
+    p.add_argument("--act", default="8x1024", help="activation rows x cols, float32 (default 8x1024)")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per engine")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--engines", nargs="+", default=["ours", "torch"], choices=["ours", "torch"])
+    p.add_argument("--out", default=None, help="append JSON lines to this file")
+    p.add_argument("--real", action="store_true", help="real-compute pp=2 speedup mode (2 processes)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=384)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rows: list[dict[str, Any]] = []
+    if args.real:
+        if dist.get_world_size() != 2:
+            raise SystemExit("--real runs on exactly 2 processes (pp=2)")
+        row = real_mode(args.steps, args.hidden, args.depth, args.global_batch, args.microbatches[0])
+        rows = [row] if row else []
+    else:
+        rows_x = (int(a) for a in args.act.split("x"))
+        act = (next(rows_x), next(rows_x))
+        for name in args.schedules:
+            for m in args.microbatches:
+                row = run_config(name, dist.get_world_size(), m, (args.tf, args.tb, args.tw), act, args.steps,
+                                 args.warmup, args.engines)
+                if row:
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    if dist.get_rank() == 0:
+        if args.out:
+            with open(args.out, "a") as fh:
+                for r in rows:
+                    fh.write(json.dumps(r) + "\n")
+        if args.real:
+            print(json.dumps(rows[0]))
+            r = rows[0]
+            print(f"real compute: single {r['single_s']:.3f} s, pp=2 {r['pp2_s']:.3f} s, speedup {r['speedup']:.2f} "
+                  f"(ideal {r['ideal_speedup']:.2f}, ratio {r['ratio_to_ideal']:.3f})")
+        else:
+            print(table(rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
