@@ -210,11 +210,14 @@ class PipelineEngine:
         self.grad_sync.finish()
         for params, group, _ in self._ties:
             sync_tied(params, group)
-        result.grad_norm = clip_grad_norm(self.parameters, self.grad_clip, self.groups.pp_group, self._norm_skip)
+        last = self.chunks[-1]
+        replica_loss = sum(float(x) for x in last.losses) if last.is_last else 0.0
+        result.grad_norm, replica_loss = clip_grad_norm(self.parameters, self.grad_clip, self.groups.pp_group,
+                                                        self._norm_skip, carry=replica_loss)
         self.optimizer.step()
+        result.loss = self._mean_over_replicas(replica_loss)
         result.records.append(ActionRecord(self.rank, self.chunks[0].stage, "SYNC", -1, t0,
                                            time.perf_counter() - self._t0))
-        result.loss = self._global_loss()
         result.step_time = time.perf_counter() - self._t0
         self.step_count += 1
         return result
@@ -268,10 +271,10 @@ class PipelineEngine:
         for idx, step in enumerate(program):
             start = time.perf_counter() - self._t0
             a = step[0]
-            if a.kind is Kind.F:
-                self._forward(a, train, keep_outputs, records)
+            if a.kind is Kind.F:   # F and B return when their input arrived: waits are recorded apart
+                start = self._forward(a, train, keep_outputs, records)
             elif a.kind is Kind.B:
-                self._backward(a, split, records)
+                start = self._backward(a, split, records)
             elif a.kind is Kind.W:
                 self.chunks[a.chunk].backward_weight(a.microbatch, self._w_grads.pop((a.microbatch, a.chunk)))
             else:
@@ -295,7 +298,7 @@ class PipelineEngine:
         records.append(ActionRecord(self.rank, stage, "WAIT", key[1], t, time.perf_counter() - self._t0))
         return tensors
 
-    def _forward(self, a: Action, train: bool, keep_outputs: bool, records: list[ActionRecord]) -> None:
+    def _forward(self, a: Action, train: bool, keep_outputs: bool, records: list[ActionRecord]) -> float:
         chunk = self.chunks[a.chunk]
         if chunk.is_first:
             x = self._inputs[a.microbatch]
@@ -305,11 +308,13 @@ class PipelineEngine:
         else:
             inputs = self._wait((Kind.RECV_F, a.microbatch, a.chunk), records, chunk.stage)
         target = self._targets[a.microbatch] if chunk.is_last else None
+        start = time.perf_counter() - self._t0
         out = chunk.forward(a.microbatch, inputs, target, train, keep_outputs)
         if not chunk.is_last:
             self._outbox[(Kind.F, a.microbatch, a.chunk)] = out
+        return start
 
-    def _backward(self, a: Action, split: bool, records: list[ActionRecord]) -> None:
+    def _backward(self, a: Action, split: bool, records: list[ActionRecord]) -> float:
         chunk = self.chunks[a.chunk]
         grads: Tensors | None = None
         if not chunk.is_last:
@@ -317,11 +322,13 @@ class PipelineEngine:
                 grads = self._outbox.pop((Kind.B, a.microbatch, a.chunk + 1))
             else:
                 grads = self._wait((Kind.RECV_B, a.microbatch, a.chunk), records, chunk.stage)
+        start = time.perf_counter() - self._t0
         input_grads = chunk.backward(a.microbatch, grads, split)
         if split:
             self._w_grads[(a.microbatch, a.chunk)] = grads
         if not chunk.is_first:
             self._outbox[(Kind.B, a.microbatch, a.chunk)] = input_grads
+        return start
 
     def _post(self, step: Step) -> None:
         """Post one comm batch (p2p.py does the header handshake; tags identify each transfer).
@@ -387,15 +394,19 @@ class PipelineEngine:
                 recv_keys.append((Kind.RECV_B, a.microbatch, a.chunk))
         flush()
 
+    def _mean_over_replicas(self, replica_loss: float) -> float:
+        if self.topology.dp == 1:
+            return replica_loss
+        value = torch.tensor(replica_loss, dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, group=self.groups.dp_group)
+        return float(value) / self.topology.dp
+
     def _global_loss(self) -> float:
-        """Mean loss of the step on every rank: summed on the last stage, averaged over DP, broadcast."""
+        """Mean loss of the step on every rank: summed on the last stage, shared, averaged over DP."""
         last = self.chunks[-1]
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if last.is_last:
             value += sum(float(x) for x in last.losses)
-            if self.topology.dp > 1:
-                dist.all_reduce(value, group=self.groups.dp_group)
-                value /= self.topology.dp
         if self.topology.pp > 1:
             dist.broadcast(value, src=self._global(self.topology.pp - 1), group=self.groups.pp_group)
-        return float(value)
+        return self._mean_over_replicas(float(value))

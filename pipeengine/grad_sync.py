@@ -91,26 +91,32 @@ def sync_tied(params: Sequence[nn.Parameter], group: Any) -> None:
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, group: Any,
-                   skip: set[int] | None = None) -> float:
+                   skip: set[int] | None = None, carry: float = 0.0) -> tuple[float, float]:
     """Global L2 norm of all gradients of the pipeline, and clip them to ``max_norm`` (if given).
 
     Each rank sums the squares of its own parameters' gradients, excluding ``skip`` (ids of
     tied copies that another rank counts), so every logical parameter is counted exactly once;
     the sums are all-reduced over the pipeline ``group``. DP replicas hold equal gradients after
-    the DP all-reduce, so the norm is the same on every rank.
+    the DP all-reduce, so the norm is the same on every rank. ``carry`` rides along in the same
+    all-reduce (the engine sends the step's loss this way: one collective at the end of a step
+    instead of two); returns ``(norm, sum of carry over the group)``.
     """
     skip = skip or set()
     device = next((p.device for p in params), torch.device("cpu"))
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if p.grad is not None and id(p) not in skip:
-            total += p.grad.detach().double().pow(2).sum()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    grads = [p.grad.detach() for p in params if p.grad is not None and id(p) not in skip]
+    if grads:
+        # per-tensor norms in the gradients' own dtype (one fused kernel, no float64 copies),
+        # combined in float64
+        norms = torch._foreach_norm(grads)
+        total[0] = torch.stack([n.double() for n in norms]).pow(2).sum()
+    total[1] = carry
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    norm = math.sqrt(float(total))
+    norm = math.sqrt(float(total[0]))
     if max_norm is not None and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
-    return norm
+    return norm, float(total[1])

@@ -25,6 +25,7 @@ On link (0, 1) both ranks post F0, F1, B0, B1 in that order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 from .actions import Action, Kind, Schedule, ScheduleError, Step, format_grid
 
 __all__ = [
@@ -385,8 +386,17 @@ def _in_flight_peaks(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def _simulate_rendezvous(schedule: Schedule, costs: Costs) -> SimResult:
+def _per_rank(costs: Costs | Sequence[Costs], pp: int) -> list[Costs]:
+    if isinstance(costs, Costs):
+        return [costs] * pp
+    if len(costs) != pp:
+        raise ValueError(f"got {len(costs)} per-rank costs for pp={pp}; give one Costs or one per rank")
+    return list(costs)
+
+
+def _simulate_rendezvous(schedule: Schedule, costs: Costs | Sequence[Costs]) -> SimResult:
     """Blocking semantics: a rank stops at each comm batch until its peers posted every partner op."""
+    rank_costs = _per_rank(costs, schedule.pp)
     split = schedule.split_backward
     progs = schedule.programs
     where: list[dict[Action, int]] = [{a: i for i, step in enumerate(p) for a in step} for p in progs]
@@ -403,7 +413,7 @@ def _simulate_rendezvous(schedule: Schedule, costs: Costs) -> SimResult:
             while pc[r] < len(progs[r]):
                 step = progs[r][pc[r]]
                 if step[0].kind.is_compute:
-                    d = costs.of(step[0].kind, split)
+                    d = rank_costs[r].of(step[0].kind, split)
                     intervals[r].append((clock[r], clock[r] + d, step))
                     clock[r] += d
                     busy[r] += d
@@ -422,7 +432,7 @@ def _simulate_rendezvous(schedule: Schedule, costs: Costs) -> SimResult:
                     if post_q is not None and where[q].get(partner) == pc[q]:
                         post_r = posted[r]
                         assert post_r is not None
-                        t = max(post_r, post_q) + costs.comm
+                        t = max(post_r, post_q) + rank_costs[r].comm
                         matched[(r, a)] = matched[(q, partner)] = t
                 if all((r, a) in matched for a in step):
                     start = posted[r]
@@ -447,8 +457,9 @@ def _simulate_rendezvous(schedule: Schedule, costs: Costs) -> SimResult:
     return SimResult(max(clock, default=0.0), busy, _in_flight_peaks(schedule), intervals)
 
 
-def simulate(schedule: Schedule, costs: Costs, mode: str = "async") -> SimResult:
-    """Execute a schedule with per-action ``costs``; raise DeadlockError naming the cycle if stuck.
+def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "async") -> SimResult:
+    """Execute a schedule with per-action ``costs`` (one for all ranks, or one per rank); raise
+    DeadlockError naming the cycle if stuck.
 
     ``mode="async"`` is how the engine runs: posting a comm batch never blocks compute; each
     rank's batches go through one in-order comm queue (like an NCCL stream), a batch starts when
@@ -466,6 +477,7 @@ def simulate(schedule: Schedule, costs: Costs, mode: str = "async") -> SimResult
     split = schedule.split_backward
     progs = schedule.programs
     n = schedule.pp
+    rank_costs = _per_rank(costs, n)
     where: list[dict[Action, int]] = [{a: i for i, step in enumerate(p) for a in step} for p in progs]
     needs: list[dict[int, int]] = [{} for _ in progs]  # compute step index -> step index of its recv
     for r, prog in enumerate(progs):
@@ -506,7 +518,7 @@ def simulate(schedule: Schedule, costs: Costs, mode: str = "async") -> SimResult
                     if needs[r][pc[r]] not in done[r]:
                         break
                     ready = max(ready, done[r][needs[r][pc[r]]])
-                d = costs.of(step[0].kind, split)
+                d = rank_costs[r].of(step[0].kind, split)
                 intervals[r].append((ready, ready + d, step))
                 clock[r] = ready + d
                 busy[r] += d
@@ -520,7 +532,7 @@ def simulate(schedule: Schedule, costs: Costs, mode: str = "async") -> SimResult
                     q, partner = a.peer, _partner(schedule, r, a)
                     start_q = head_start(q)
                     if start_q is not None and comm_steps[q][head[q]] == where[q].get(partner):
-                        matched[(r, a)] = matched[(q, partner)] = max(start, start_q) + costs.comm
+                        matched[(r, a)] = matched[(q, partner)] = max(start, start_q) + rank_costs[r].comm
                 if not all((r, a) in matched for a in progs[r][idx]):
                     break
                 end = max([start] + [matched[(r, a)] for a in progs[r][idx]])

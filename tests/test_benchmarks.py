@@ -1,0 +1,36 @@
+"""Smoke test: benchmarks/efficiency.py runs both engines on a tiny configuration and reports sane fields."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(240)
+def test_efficiency_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "benchmarks" / "efficiency.py"), "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
+           "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["schedule"], r["pp"], r["microbatches"]) for r in rows] == [("1f1b", 2, 4), ("zb-h1", 2, 4)]
+    for r in rows:
+        assert r["errors"] == {}
+        for engine in ("ours", "torch"):
+            assert 0 < r[f"{engine}_efficiency"] <= 1.05, r
+            assert r[f"{engine}_median_s"] > r["ideal_s"] * 0.95
+        assert r["ratio_ours_over_torch"] > 0
+        assert 0 < r["ours_efficiency_vs_measured_costs"] <= 1.05
+    assert rows[0]["ours_peak_stored"] == {"0": 2, "1": 1}          # 1F1B: min(p - s, m)
+    assert rows[0]["ideal_s"] == pytest.approx(5 * 0.006)           # (m + p - 1)(f + b + w)
+    assert "| 1f1b | 2 | 4 |" in proc.stdout
