@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .schedule import Costs, compile_schedule, simulate
-
 __all__ = ["compile_schedule", "simulate", "Costs", "PipelineEngine", "Topology"]
 
-# Torch-dependent names load on first use so `python -m pipeengine.schedule` stays torch-free.
-_LAZY = {"PipelineEngine": "engine", "Topology": "topology"}
+# Names load on first use: `python -m pipeengine.schedule` must not find its own module imported
+# already, and the schedule tools stay torch-free.
+_LAZY = {"compile_schedule": "schedule", "simulate": "simulate", "Costs": "simulate",
+         "PipelineEngine": "engine", "Topology": "topology"}
 
 
 def __getattr__(name: str) -> Any:

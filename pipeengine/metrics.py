@@ -16,7 +16,7 @@ __all__ = ["ActionRecord", "compute_breakdown", "measured_bubble", "gather_recor
 COMPUTE = ("F", "B", "W")
 COLORS: dict[str, tuple[int, int, int]] = {
     "F": (66, 133, 244), "B": (52, 168, 83), "W": (251, 188, 5), "COMM": (189, 189, 189),
-    "WAIT": (234, 67, 53), "SYNC": (156, 39, 176), "OPT": (120, 144, 156)}
+    "WAIT": (234, 67, 53), "SYNC": (156, 39, 176)}
 BACKGROUND = (255, 255, 255)
 
 
@@ -25,7 +25,8 @@ class ActionRecord(NamedTuple):
 
     rank: int
     stage: int
-    kind: str          # F, B, W, COMM (posting a batch), WAIT (blocked on a transfer), SYNC, OPT
+    kind: str          # F, B, W, COMM (posting a batch), WAIT (blocked on a transfer), SYNC (grad sync,
+    #                    norm, optimizer step and loss at the end of a step)
     microbatch: int    # -1 when not applicable
     start: float
     end: float

@@ -75,11 +75,6 @@ class StageChunk:
         self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
         self._params = [p for p in module.parameters() if p.requires_grad]
 
-    @property
-    def stored(self) -> int:
-        """Microbatches whose activations this chunk holds now."""
-        return len(self.saved)
-
     def reset(self) -> None:
         self.saved.clear()
         self.losses.clear()
@@ -145,7 +140,6 @@ class StageChunk:
     def backward_weight(self, mb: int, grads: Tensors | None) -> None:
         """Run W after a split B: accumulate parameter gradients and free the microbatch."""
         roots, root_grads = self._roots(mb, grads)
-        params = [p for p in self._params]
-        if roots and params:
-            torch.autograd.backward(roots, root_grads, inputs=params)
+        if roots and self._params:
+            torch.autograd.backward(roots, root_grads, inputs=self._params)
         del self.saved[mb]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -31,7 +32,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # by value: torch's queue would share tensor storage through a file descriptor that dies
+        # with this process, racing the parent's read
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as exc:  # report every failure to the parent, then re-raise
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -81,4 +86,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} failed ---\n{v}" for r, v in sorted(errors.items())))
-    return [results[r][1] for r in range(world_size)]
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
