@@ -264,7 +264,8 @@ class PipelineEngine:
         self._recvs: dict[tuple[Kind, int, int], PendingRecv] = {}
         self._w_grads: dict[tuple[int, int], Tensors | None] = {}
         self._send_batches: list[PendingBatch] = []
-        self._agreed: dict[int, tuple[TensorMeta, ...]] = {}      # producer stage -> metas this step
+        # producer stage -> metas agreed this step (or the header receive that will tell them)
+        self._agreed: dict[int, tuple[TensorMeta, ...] | PendingRecv] = {}
         self._out_metas: dict[int, tuple[TensorMeta, ...]] = {}   # my chunk -> float output metas
         records: list[ActionRecord] = []
         split = self.schedule.split_backward
@@ -351,7 +352,7 @@ class PipelineEngine:
             for key, pending in zip(recv_keys, batch.recvs):
                 self._recvs[key] = pending
             for producer, i in header_streams.items():
-                self._agreed[producer] = batch.recvs[i].metas
+                self._agreed[producer] = batch.recvs[i]   # shapes arrive with its header
             ops.clear()
             recv_keys.clear()
             header_streams.clear()
@@ -368,10 +369,12 @@ class PipelineEngine:
                     self._agreed[stage] = metas
                     self._out_metas[a.chunk] = tuple(m for m in metas if m.dtype.is_floating_point)
                 elif metas != self._agreed[stage]:
+                    first = self._agreed[stage]
+                    assert not isinstance(first, PendingRecv)
                     raise ValueError(
                         f"stage {stage} output for microbatch {a.microbatch} has shapes "
                         f"{[tuple(m.shape) for m in metas]} but this step's first microbatch had "
-                        f"{[tuple(m.shape) for m in self._agreed[stage]]}: all microbatches of one step must "
+                        f"{[tuple(m.shape) for m in first]}: all microbatches of one step must "
                         f"share shapes (pad them); shapes may change from step to step")
                 ops.append(SendOp(peer, self._tag(0, a.microbatch, stage), tensors, header, label))
             elif a.kind is Kind.RECV_F:
@@ -382,8 +385,10 @@ class PipelineEngine:
                     header_streams[producer] = len(recv_keys)
                     ops.append(RecvOp(peer, self._tag(0, a.microbatch, producer), None, True, label))
                 else:
-                    ops.append(RecvOp(peer, self._tag(0, a.microbatch, producer), self._agreed[producer],
-                                      False, label))
+                    agreed = self._agreed[producer]
+                    metas = agreed.metas if isinstance(agreed, PendingRecv) else agreed
+                    self._agreed[producer] = metas
+                    ops.append(RecvOp(peer, self._tag(0, a.microbatch, producer), metas, False, label))
                 recv_keys.append((Kind.RECV_F, a.microbatch, a.chunk))
             elif a.kind is Kind.SEND_B:
                 tensors = self._outbox.pop((Kind.B, a.microbatch, a.chunk))

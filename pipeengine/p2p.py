@@ -3,10 +3,14 @@
 [Note: header handshake]
 A receiver must allocate buffers before it can post a receive, so the first transfer of a stream
 carries a header: a fixed-size int64 tensor ``[count, (dtype code, requires_grad, ndim, dims...)*]``
-(no pickled objects on the wire). ``post()`` runs two phases: all header ops of the batch in one
-``batch_isend_irecv`` (waited, so the shapes are known), then all payload ops in a second one (not
-waited: the caller waits for a receive right before its consumer). Both ends run both phases for
-their paired batches, so the per-peer op order is the same on both sides.
+(no pickled objects on the wire). A send posts its header and payload together. A receive that
+needs a header posts only the header receive; its payload receive is posted when its shapes are
+first needed (``PendingRecv.metas`` / ``wait()``). Nothing in ``post()`` blocks, so every op stays
+atomic as in the schedule simulator: blocking a whole batch on its headers would make one op's
+payload wait for another op's header, a dependency the schedule never had (it deadlocked
+forward-only interleaved schedules). Backends that match by per-peer order (NCCL) resolve a
+deferred receive before any later receive from the same peer is posted, so both sides keep the
+same per-peer sequence.
 
 [Note: tags]
 Gloo matches messages by (peer, tag); NCCL ignores tags and matches by per-peer order, which the
@@ -119,19 +123,34 @@ def _per_op(works: list[Any], n: int) -> list[list[Any]]:
 
 
 class PendingRecv:
-    """A posted receive: ``metas`` are known at once, ``wait()`` returns the tensors."""
+    """A posted receive: ``metas`` (waits for the header if there is one), ``wait()`` returns the tensors."""
 
-    def __init__(self, op: RecvOp, metas: tuple[TensorMeta, ...], buffers: tuple[torch.Tensor, ...],
-                 timeout: float) -> None:
+    def __init__(self, op: RecvOp, post_payload: Any, timeout: float) -> None:
         self.op = op
-        self.metas = metas
-        self.buffers = buffers
-        self.works: list[Any] = []
         self.timeout = timeout
+        self._post_payload = post_payload      # callable(PendingRecv) posting the payload irecvs
+        self._metas: tuple[TensorMeta, ...] | None = op.metas
+        self.header_buf: torch.Tensor | None = None
+        self.header_works: list[Any] = []
+        self.buffers: tuple[torch.Tensor, ...] | None = None
+        self.works: list[Any] = []
         self._done = False
+
+    @property
+    def metas(self) -> tuple[TensorMeta, ...]:
+        """Shapes and dtypes; waits for the header (and then posts the payload receive) if needed."""
+        if self._metas is None:
+            assert self.header_buf is not None
+            _wait(self.header_works, self.timeout, f"{self.op.label} (shape header)", self.op.peer)
+            self._metas = decode_header(self.header_buf)
+        if self.buffers is None:
+            self._post_payload(self)
+        return self._metas
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         """Block until every tensor arrived (P2PTimeout names the op); may be called again."""
+        self.metas  # noqa: B018  (posts the payload receive if the header just arrived)
+        assert self.buffers is not None
         if not self._done:
             _wait(self.works, self.timeout, self.op.label, self.op.peer)
             self._done = True
@@ -158,10 +177,16 @@ class PendingBatch:
 class P2P:
     """Posts batches of sends/receives between global ranks on ``device`` (CUDA for NCCL, CPU for Gloo)."""
 
-    def __init__(self, device: torch.device, timeout: float = 300.0, group: Any = None) -> None:
+    def __init__(self, device: torch.device, timeout: float = 300.0, group: Any = None,
+                 ordered: bool | None = None) -> None:
         self.device = device
         self.timeout = timeout
         self.group = group
+        # Gloo matches by tag; NCCL (and anything else) by per-peer order
+        if ordered is None:
+            ordered = not (dist.is_initialized() and dist.get_backend(group) == "gloo")
+        self.ordered = ordered
+        self._deferred: list[PendingRecv] = []
 
     def _check(self, op: SendOp | RecvOp) -> None:
         if not 0 <= op.tag < MAX_TAG:
@@ -169,60 +194,78 @@ class P2P:
         if isinstance(op, RecvOp) and (op.metas is None) != op.header:
             raise ValueError(f"{op.label}: a receive needs either a header or known metas, not both/neither")
 
+    def _post_payload(self, pending: PendingRecv) -> None:
+        metas = pending._metas
+        assert metas is not None
+        bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
+        pending.buffers = bufs
+        if pending in self._deferred:
+            self._deferred.remove(pending)
+        if bufs:
+            ops = [dist.P2POp(dist.irecv, b, pending.op.peer, self.group, pending.op.tag * 16 + 1 + i)
+                   for i, b in enumerate(bufs)]
+            pending.works = list(dist.batch_isend_irecv(ops))
+        else:
+            pending._done = True
+
     def post(self, ops: Sequence[SendOp | RecvOp]) -> PendingBatch:
-        if not ops:
-            return PendingBatch([], [], self.timeout)
+        """Post every op of a batch without blocking (see [Note: header handshake])."""
         for op in ops:
             self._check(op)
         sends = [op for op in ops if isinstance(op, SendOp)]
         tensors = {id(op): tuple(t.detach().to(self.device).contiguous() for t in op.tensors) for op in sends}
-        # phase 1: headers
-        hdr_ops: list[dist.P2POp] = []
-        hdr_meta: list[tuple[SendOp | RecvOp, torch.Tensor]] = []
-        for op in ops:
-            if not op.header:
-                continue
-            if isinstance(op, SendOp):
-                buf = encode_header([TensorMeta.of(t) for t in op.tensors], self.device)
-                hdr_ops.append(dist.P2POp(dist.isend, buf, op.peer, self.group, op.tag * 16))
-            else:
-                buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
-                hdr_ops.append(dist.P2POp(dist.irecv, buf, op.peer, self.group, op.tag * 16))
-            hdr_meta.append((op, buf))
-        learned: dict[int, tuple[TensorMeta, ...]] = {}
-        if hdr_ops:
-            works = _per_op(list(dist.batch_isend_irecv(hdr_ops)), len(hdr_ops))
-            for (op, buf), w in zip(hdr_meta, works):
-                _wait(w, self.timeout, f"{op.label} (shape header)", op.peer)
-                if isinstance(op, RecvOp):
-                    learned[id(op)] = decode_header(buf)
-        # phase 2: payloads
-        pay_ops: list[dist.P2POp] = []
-        owners: list[SendOp | PendingRecv] = []
         recvs: list[PendingRecv] = []
-        for op in ops:
+        send_works: list[tuple[SendOp, list[Any]]] = []
+        p2p_ops: list[dist.P2POp] = []
+        owners: list[PendingRecv | tuple[SendOp, list[Any]] | tuple[PendingRecv, str]] = []
+
+        def flush() -> None:
+            if p2p_ops:
+                works = _per_op(list(dist.batch_isend_irecv(p2p_ops)), len(p2p_ops))
+                for owner, w in zip(owners, works):
+                    if isinstance(owner, PendingRecv):
+                        owner.works.extend(w)
+                    elif isinstance(owner[0], SendOp):
+                        owner[1].extend(w)
+                    else:
+                        owner[0].header_works.extend(w)
+            p2p_ops.clear()
+            owners.clear()
+
+        for i, op in enumerate(ops):
+            if self.ordered:   # keep the per-peer receive order: resolve deferred receives from this peer
+                for pending in [d for d in self._deferred if d.op.peer == op.peer and isinstance(op, RecvOp)]:
+                    flush()
+                    pending.metas  # noqa: B018
             if isinstance(op, SendOp):
-                for i, t in enumerate(tensors[id(op)]):
-                    pay_ops.append(dist.P2POp(dist.isend, t, op.peer, self.group, op.tag * 16 + 1 + i))
-                    owners.append(op)
-            else:
-                metas = learned[id(op)] if op.header else op.metas
-                assert metas is not None
-                bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-                pending = PendingRecv(op, metas, bufs, self.timeout)
-                recvs.append(pending)
-                for i, b in enumerate(bufs):
-                    pay_ops.append(dist.P2POp(dist.irecv, b, op.peer, self.group, op.tag * 16 + 1 + i))
-                    owners.append(pending)
-        send_works: dict[int, tuple[SendOp, list[Any]]] = {id(op): (op, []) for op in sends}
-        if pay_ops:
-            works = _per_op(list(dist.batch_isend_irecv(pay_ops)), len(pay_ops))
-            for owner, w in zip(owners, works):
-                if isinstance(owner, PendingRecv):
-                    owner.works.extend(w)
-                else:
-                    send_works[id(owner)][1].extend(w)
-        for pending in recvs:
+                entry: tuple[SendOp, list[Any]] = (op, [])
+                send_works.append(entry)
+                if op.header:
+                    hdr = encode_header([TensorMeta.of(t) for t in op.tensors], self.device)
+                    tensors[id(op)] = tensors[id(op)] + (hdr,)   # keep the header alive too
+                    p2p_ops.append(dist.P2POp(dist.isend, hdr, op.peer, self.group, op.tag * 16))
+                    owners.append(entry)
+                for j, t in enumerate(tensors[id(op)][:len(op.tensors)]):
+                    p2p_ops.append(dist.P2POp(dist.isend, t, op.peer, self.group, op.tag * 16 + 1 + j))
+                    owners.append(entry)
+                continue
+            pending = PendingRecv(op, self._post_payload, self.timeout)
+            recvs.append(pending)
+            if op.header:
+                pending.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
+                p2p_ops.append(dist.P2POp(dist.irecv, pending.header_buf, op.peer, self.group, op.tag * 16))
+                owners.append((pending, "header"))
+                self._deferred.append(pending)
+                if self.ordered and any(isinstance(o, RecvOp) and o.peer == op.peer for o in ops[i + 1:]):
+                    flush()
+                    pending.metas  # noqa: B018
+                continue
+            assert op.metas is not None
+            pending.buffers = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in op.metas)
+            for j, b in enumerate(pending.buffers):
+                p2p_ops.append(dist.P2POp(dist.irecv, b, op.peer, self.group, op.tag * 16 + 1 + j))
+                owners.append(pending)
             if not pending.buffers:
                 pending._done = True
-        return PendingBatch(recvs, list(send_works.values()), self.timeout, keep=tensors)
+        flush()
+        return PendingBatch(recvs, send_works, self.timeout, keep=tensors)

@@ -1,5 +1,8 @@
 """Pipeline = single process: pp x dp training gives the losses and parameters of one process.
 
+Every configuration also evaluates once after training (forward-only schedule) and must give the
+single-process evaluation loss.
+
 Each spawned world runs many configurations in turn (spawning is the slow part on 2 cores).
 Tolerance: float64 everywhere, rtol=1e-9 / atol=1e-12 (the pipeline sums the same numbers in
 a different order, nothing else differs).
@@ -103,6 +106,12 @@ def reference(model: str, opt: str) -> tuple[list[float], dict[str, torch.Tensor
         loss.backward()
         optim.step()
         losses.append(loss.item())
+    with torch.no_grad():   # evaluation after training, on a batch never trained on
+        x, y = data(99)
+        h = x
+        for layer in layers:
+            h = layer(*h) if isinstance(h, tuple) else layer(h)
+        losses.append(nn.functional.mse_loss(h, y).item())
     return losses, {f"{i}.{k}": v.detach().clone() for i, layer in enumerate(layers)
                     for k, v in layer.state_dict().items()}
 
@@ -130,6 +139,10 @@ def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int, ch
         result = engine.train_batch(replica_iter(data, step, engine.replica, dp, m))
         losses.append(result.loss)
         peaks.append(result.peak_stored)
+    ev = engine.eval_batch(replica_iter(data, 99, engine.replica, dp, m), return_outputs=True)
+    losses.append(ev.loss)   # the reference appends its evaluation loss the same way
+    if ev.outputs is not None:
+        assert len(ev.outputs) == m and all(o.shape[0] == GLOBAL_BATCH // dp // m for o in ev.outputs)
     params = {}
     for ch in engine.chunks:
         start = engine.bounds[ch.stage]
