@@ -35,6 +35,14 @@ case "$KIND" in
     *) echo "pipe.sh: second argument must be 'gpus' or 'cpus' (got '$KIND')" >&2; exit 2 ;;
 esac
 
+if [[ "$DEVICE" == cuda ]] && command -v nvidia-smi >/dev/null 2>&1; then
+    NGPU=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+    if (( NGPU < NPROC )); then
+        echo "pipe.sh: asked for $NPROC gpus but this node has $NGPU; use 'launch/pipe.sh $NGPU gpus' or 'cpus'" >&2
+        exit 2
+    fi
+fi
+
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}

@@ -56,6 +56,7 @@ class TrainConfig:
     log_dir: str = "runs"         #: TensorBoard logs go to <log_dir>/<run_name>
     run_name: str | None = None
     eval_interval: int = 25       #: evaluate on the validation split every N steps (0: only at the end)
+    log_interval: int = 1         #: gather every rank's action timings (bubble, per-stage views) every N steps
     timeline_interval: int = 25   #: log a pipeline timeline image every N steps (0: off)
     trace_step: int | None = None  #: write a Chrome/Perfetto trace of this step
     device: str = "auto"          #: auto, cpu or cuda
@@ -68,7 +69,7 @@ class TrainConfig:
         if self.schedule not in SCHEDULES or self.schedule == "forward":
             raise ValueError(f"--schedule {self.schedule!r} is not a training schedule; choose "
                              f"{', '.join(s for s in SCHEDULES if s != 'forward')}")
-        for name in ("microbatches", "micro_batch_size", "steps", "chunks"):
+        for name in ("microbatches", "micro_batch_size", "steps", "chunks", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         if self.pp is not None and self.pp >= 1 and world_size % self.pp:
@@ -123,6 +124,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--log-dir", default=d.log_dir, help="TensorBoard root (default runs)")
     p.add_argument("--run-name", default=None, help="sub-directory of --log-dir (default: model-schedule-time)")
     p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="validate every N steps")
+    p.add_argument("--log-interval", type=int, default=d.log_interval,
+                   help="gather per-stage timings and bubble every N steps (loss and throughput: every step)")
     p.add_argument("--timeline-interval", type=int, default=d.timeline_interval,
                    help="log the pipeline timeline image every N steps (0: off)")
     p.add_argument("--trace-step", type=int, default=None, help="write a Chrome/Perfetto trace of this step")
@@ -225,7 +228,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         last_loss = res.loss
         times.append(res.step_time)
         samples_s = global_batch / res.step_time
-        records = gather_records(res.records)
+        wanted = (step % cfg.log_interval == 0 or step == cfg.steps - 1 or cfg.trace_step == step
+                  or (cfg.timeline_interval and (step + 1) % cfg.timeline_interval == 0))
+        records = gather_records(res.records) if wanted else None   # the same decision on every rank
+        if not wanted and rank == 0:
+            writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
+                                      "throughput/samples_per_s": samples_s,
+                                      **({"train/grad_norm": res.grad_norm} if res.grad_norm is not None else {})})
         if records is not None:   # rank 0: every rank's timings of this step
             step_time = max(r.end for rs in records.values() for r in rs)
             breakdown = {}

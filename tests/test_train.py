@@ -157,3 +157,27 @@ def test_trainer_cli_prints_clear_error(flags: list[str], match: str, tmp_path: 
                           cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ the launcher's own checks
+
+def pipe_sh(*args: str, path_prefix: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if path_prefix:
+        env["PATH"] = path_prefix + os.pathsep + env["PATH"]
+    return subprocess.run(["bash", str(ROOT / "launch" / "pipe.sh"), *args], capture_output=True, text=True,
+                          timeout=30, env=env)
+
+
+def test_pipe_sh_usage_and_bad_arguments(tmp_path: Path) -> None:
+    h = pipe_sh("-h")
+    assert h.returncode == 0 and "launch/pipe.sh N gpus|cpus [--pp P]" in h.stdout and "NNODES" in h.stdout
+    bad = pipe_sh("3", "tpus")
+    assert bad.returncode == 2 and "second argument must be 'gpus' or 'cpus' (got 'tpus')" in bad.stderr
+    assert "N must be a positive integer (got 'x')" in pipe_sh("x", "cpus").stderr
+    assert "--pp 3 does not divide the world size 4" in pipe_sh("4", "cpus", "--pp", "3").stderr
+    fake = tmp_path / "nvidia-smi"   # a node with one GPU
+    fake.write_text("#!/bin/sh\necho 'GPU 0: Fake'\n")
+    fake.chmod(0o755)
+    few = pipe_sh("8", "gpus", path_prefix=str(tmp_path))
+    assert few.returncode == 2 and "asked for 8 gpus but this node has 1" in few.stderr
