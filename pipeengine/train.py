@@ -281,16 +281,22 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _theoretical(engine: PipelineEngine, records: dict[int, list[Any]]) -> float:
-    """The simulator's bubble for this schedule with the step's measured mean F/B/W times."""
-    mean: dict[str, float] = {}
-    for kind in ("F", "B", "W"):
-        ds = [r.end - r.start for rs in records.values() for r in rs if r.kind == kind]
-        mean[kind] = sum(ds) / len(ds) if ds else 0.0
+    """The simulator's bubble for this schedule fed each pipeline position's measured mean F/B/W times.
+
+    Replica 0's ranks stand for every replica (they run the same program).
+    """
     split = engine.schedule.split_backward
-    costs = Costs(f=mean["F"], b=mean["B"], w=mean["W"] if split else 0.0)
-    if costs.f + costs.b <= 0:
+    per_position = []
+    for position in range(engine.topology.pp):
+        rs = records.get(engine.topology.rank(position, 0), [])
+        mean = {}
+        for kind in ("F", "B", "W"):
+            ds = [r.end - r.start for r in rs if r.kind == kind]
+            mean[kind] = sum(ds) / len(ds) if ds else 0.0
+        per_position.append(Costs(f=mean["F"], b=mean["B"], w=mean["W"] if split else 0.0))
+    if all(c.f + c.b <= 0 for c in per_position):
         return 0.0
-    return simulate(engine.schedule, costs).mean_bubble
+    return simulate(engine.schedule, per_position).mean_bubble
 
 
 def _summary_text(s: dict[str, Any]) -> str:
