@@ -1,168 +1,309 @@
-"""Step metrics: per-action timings, measured bubble, TensorBoard throughput views, timeline image, trace."""
+"""Step metrics: per-action timings, measured bubble, timeline image, Chrome trace, TensorBoard writer."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
-import numpy as np
+import torch
 import torch.distributed as dist
 
-__all__ = ["ActionRecord", "compute_breakdown", "measured_bubble", "gather_records", "timeline_image",
-           "chrome_trace", "MetricsWriter", "COLORS"]
+if TYPE_CHECKING:
+    from PIL import ImageDraw, ImageFont
+    from torch.utils.tensorboard import SummaryWriter
 
-COMPUTE = ("F", "B", "W")
+__all__ = ["ActionRecord", "COLORS", "compute_breakdown", "measured_bubble", "gather_records",
+           "timeline_image", "chrome_trace", "MetricsWriter"]
+
+COMPUTE_KINDS = ("F", "B", "W")
+#: Box colours of the timeline image (RGB), one per action kind.
 COLORS: dict[str, tuple[int, int, int]] = {
-    "F": (66, 133, 244), "B": (52, 168, 83), "W": (251, 188, 5), "COMM": (189, 189, 189),
-    "WAIT": (234, 67, 53), "SYNC": (156, 39, 176)}
-BACKGROUND = (255, 255, 255)
+    "F": (66, 133, 244), "B": (52, 168, 83), "W": (245, 124, 0), "COMM": (158, 158, 158),
+    "WAIT": (229, 115, 115), "SYNC": (142, 68, 173), "OPT": (109, 76, 65)}
+_OTHER = (60, 60, 60)          # an action kind this module does not know
+_BACKGROUND = (255, 255, 255)
+_INK = (0, 0, 0)
 
 
 class ActionRecord(NamedTuple):
     """One timed action of one rank; times in seconds since the step started on that rank."""
 
     rank: int
-    stage: int
-    kind: str          # F, B, W, COMM (posting a batch), WAIT (blocked on a transfer), SYNC (grad sync,
-    #                    norm, optimizer step and loss at the end of a step)
+    stage: int         # pipeline stage (the virtual stage for interleaved schedules)
+    kind: str          # F, B, W (compute); COMM (posting a send/recv batch); WAIT (blocked on a transfer);
+    #                    SYNC (DP gradient all-reduce / wait); OPT (optimizer step)
     microbatch: int    # -1 when not applicable
     start: float
     end: float
 
 
+def _duration(r: ActionRecord) -> float:
+    if r.end < r.start:
+        raise ValueError(f"record {r} ends before it starts (end {r.end} < start {r.start})")
+    return r.end - r.start
+
+
 def compute_breakdown(records: Sequence[ActionRecord], step_time: float) -> dict[str, float]:
-    """Seconds per kind on one rank, plus ``idle`` = step time not covered by any record."""
+    """Seconds per kind on one rank, plus ``idle`` = step time not covered by any record (clamped >= 0)."""
     out: dict[str, float] = {}
     for r in records:
-        out[r.kind] = out.get(r.kind, 0.0) + (r.end - r.start)
+        out[r.kind] = out.get(r.kind, 0.0) + _duration(r)
     out["idle"] = max(0.0, step_time - sum(out.values()))
     return out
 
 
 def measured_bubble(records_by_rank: Mapping[int, Sequence[ActionRecord]], step_time: float) -> float:
-    """Mean over ranks of the fraction of the step not spent computing (F/B/W); waits count as bubble."""
-    if not records_by_rank or step_time <= 0:
-        return 0.0
-    fractions = [1.0 - sum(r.end - r.start for r in rs if r.kind in COMPUTE) / step_time
+    """Mean over ranks of the fraction of the step not spent in F/B/W; comm waits count as bubble."""
+    if step_time <= 0:
+        raise ValueError(f"step_time must be positive (got {step_time})")
+    if not records_by_rank:
+        raise ValueError("measured_bubble needs the records of at least one rank (got none)")
+    fractions = [1.0 - sum(_duration(r) for r in rs if r.kind in COMPUTE_KINDS) / step_time
                  for rs in records_by_rank.values()]
-    return max(0.0, sum(fractions) / len(fractions))
+    return sum(min(1.0, max(0.0, f)) for f in fractions) / len(fractions)
 
 
-def gather_records(records: list[ActionRecord], group: Any = None,
+def gather_records(records: list[ActionRecord], group: dist.ProcessGroup | None = None,
                    dst: int = 0) -> dict[int, list[ActionRecord]] | None:
-    """Every rank's records on ``dst`` (None elsewhere); works without torch.distributed too."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return {rank: list(records)} if rank == dst else None
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    """Every rank's records on global rank ``dst``, keyed by sender (None elsewhere); collective on ``group``.
+
+    Without an initialised process group this is the single-process case: ``{0: records}``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return {0: list(records)}
+    size = dist.get_world_size(group)
+    gathered: list[Any] | None = [None] * size if dist.get_rank() == dst else None
+    # plain tuples pickle smaller and do not need this module on the receiving side
     dist.gather_object([tuple(r) for r in records], gathered, dst=dst, group=group)
     if gathered is None:
         return None
-    out: dict[int, list[ActionRecord]] = {}
-    for rs in gathered:
-        for r in rs or []:
-            rec = ActionRecord(*r)
-            out.setdefault(rec.rank, []).append(rec)
-    return out
+    senders = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    return {src: [ActionRecord(*t) for t in rs or []] for src, rs in zip(senders, gathered)}
+
+
+# ------------------------------------------------------------------------------------------ timeline image
+
+_ROW_H = 28      # pixels per rank row; boxes leave 3 px above and 4 px below
+_PAD = 6
+
+
+class _Frame(NamedTuple):
+    """Geometry of a timeline image: time t maps to column ``x(t)``; row i's boxes span ``box_rows(i)``."""
+
+    left: int
+    right: int
+    top: int
+    t_end: float
+
+    def x(self, t: float) -> int:
+        return self.left + int(round(t / self.t_end * (self.right - self.left)))
+
+    def box_rows(self, i: int) -> tuple[int, int]:
+        y0 = self.top + i * _ROW_H
+        return y0 + 3, y0 + _ROW_H - 4
+
+
+def _font() -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    from PIL import ImageFont
+    return ImageFont.load_default(size=11)
+
+
+def _row_label(rank: int, records: Sequence[ActionRecord]) -> str:
+    stages = sorted({r.stage for r in records if r.stage >= 0})
+    return f"rank {rank} / stage {','.join(map(str, stages))}" if stages else f"rank {rank}"
+
+
+def _frame(records_by_rank: Mapping[int, Sequence[ActionRecord]], width: int, title: str) -> _Frame:
+    from PIL import Image, ImageDraw
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    font = _font()
+    label_w = max([measure.textlength(_row_label(k, rs), font=font) for k, rs in records_by_rank.items()]
+                  + [measure.textlength("time (ms)", font=font)])
+    left = int(label_w) + 2 * _PAD
+    right = width - 3 * _PAD       # room for the last tick label
+    if right - left < 50:
+        raise ValueError(f"timeline width {width} px is too narrow: labels take {left} px, need 50 px more")
+    t_end = max([r.end for rs in records_by_rank.values() for r in rs] + [1e-9])
+    return _Frame(left, right, 20 if title else _PAD, t_end)
+
+
+def _ticks_ms(t_end_ms: float) -> tuple[float, list[float]]:
+    """A 1-2-5 tick step in ms giving about eight ticks over [0, t_end_ms], and the ticks."""
+    raw = t_end_ms / 8
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    return step, [k * step for k in range(int(t_end_ms / step + 1e-9) + 1)]
+
+
+def _text_fill(fill: tuple[int, int, int]) -> tuple[int, int, int]:
+    return _INK if 0.299 * fill[0] + 0.587 * fill[1] + 0.114 * fill[2] > 150 else _BACKGROUND
+
+
+def _draw_rank(draw: ImageDraw.ImageDraw, font: ImageFont.FreeTypeFont | ImageFont.ImageFont, frame: _Frame,
+               row: int, rank: int, records: Sequence[ActionRecord]) -> None:
+    y0, y1 = frame.box_rows(row)
+    draw.text((_PAD, (y0 + y1) // 2), _row_label(rank, records), fill=_INK, font=font, anchor="lm")
+    # compute last, so it stays visible if a wait overlaps it
+    for r in sorted(records, key=lambda r: (r.kind in COMPUTE_KINDS, r.start)):
+        if r.end <= r.start:
+            continue
+        x0 = frame.x(r.start)
+        x1 = max(x0, frame.x(r.end) - 2)     # a 1 px seam between back-to-back boxes
+        fill = COLORS.get(r.kind, _OTHER)
+        draw.rectangle([x0, y0, x1, y1], fill=fill)
+        text = str(r.microbatch)
+        if r.kind in COMPUTE_KINDS and r.microbatch >= 0 and draw.textlength(text, font=font) + 4 <= x1 - x0:
+            centre = ((x0 + x1) // 2, (y0 + y1) // 2 + 1)
+            draw.text(centre, text, fill=_text_fill(fill), font=font, anchor="mm")
 
 
 def timeline_image(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, width: int = 1200,
-                   title: str = "") -> np.ndarray:
-    """HWC uint8 picture: one row per rank, boxes at measured times (F blue, B green, W yellow, waits red)."""
+                   title: str = "") -> torch.Tensor:
+    """Picture of one step as an HWC uint8 tensor (``SummaryWriter.add_image(..., dataformats="HWC")``).
+
+    One row per rank, labelled ``rank r / stage s``; boxes sit at the measured times (F blue, B green,
+    W orange, COMM grey, WAIT red, SYNC purple, OPT brown) with the microbatch inside when it fits; a time
+    axis in ms and a legend of the kinds present below. A torch tensor, as numpy is no dependency of torch.
+    """
     from PIL import Image, ImageDraw
     ranks = sorted(records_by_rank)
-    row_h, label_w, top, bottom = 28, 110, 22 if title else 6, 24
-    height = top + row_h * max(1, len(ranks)) + bottom
-    end = max([r.end for rs in records_by_rank.values() for r in rs] + [1e-9])
-    plot_w = max(10, width - label_w - 10)
-    img = Image.new("RGB", (width, height), BACKGROUND)
+    frame = _frame(records_by_rank, width, title)
+    font = _font()
+    axis_y = frame.top + _ROW_H * max(1, len(ranks)) + 2
+    height = axis_y + 44
+    img = Image.new("RGB", (width, height), _BACKGROUND)
     draw = ImageDraw.Draw(img)
     if title:
-        draw.text((6, 4), title, fill=(0, 0, 0))
-
-    def x(t: float) -> int:
-        return label_w + int(round(t / end * plot_w))
-
+        draw.text((_PAD, 4), title, fill=_INK, font=font)
     for row, rank in enumerate(ranks):
-        y0 = top + row * row_h
-        stages = sorted({r.stage for r in records_by_rank[rank]})
-        draw.text((4, y0 + 8), f"rank {rank} / stage {','.join(map(str, stages))}", fill=(0, 0, 0))
-        for r in sorted(records_by_rank[rank], key=lambda r: r.kind in COMPUTE):
-            if r.end <= r.start or r.kind not in COLORS:
-                continue
-            x0, x1 = x(r.start), max(x(r.end) - 1, x(r.start))
-            draw.rectangle([x0, y0 + 3, x1, y0 + row_h - 3], fill=COLORS[r.kind])
-            text = f"{r.kind}{r.microbatch}" if r.microbatch >= 0 else ""
-            if r.kind in COMPUTE and text and x1 - x0 > 7 * len(text):
-                draw.text((x0 + 2, y0 + 8), text, fill=(255, 255, 255))
-    axis_y = top + row_h * len(ranks) + 4
-    draw.line([label_w, axis_y, label_w + plot_w, axis_y], fill=(0, 0, 0))
-    for i in range(6):
-        t = end * i / 5
-        draw.line([x(t), axis_y, x(t), axis_y + 4], fill=(0, 0, 0))
-        draw.text((x(t) - 10, axis_y + 6), f"{t * 1000:.0f}ms", fill=(0, 0, 0))
-    return np.asarray(img, dtype=np.uint8)
+        _draw_rank(draw, font, frame, row, rank, records_by_rank[rank])
+    # time axis: a line from 0 to the latest end over all ranks, ticks on a 1-2-5 grid
+    draw.line([frame.left, axis_y, frame.right, axis_y], fill=_INK)
+    step, ticks = _ticks_ms(frame.t_end * 1e3)
+    decimals = max(0, -math.floor(math.log10(step)))
+    for tick in ticks:
+        x = frame.x(tick / 1e3)
+        draw.line([x, axis_y, x, axis_y + 3], fill=_INK)
+        draw.text((x, axis_y + 5), f"{tick:.{decimals}f}", fill=_INK, font=font, anchor="mt")
+    draw.text((_PAD, axis_y + 5), "time (ms)", fill=_INK, font=font)
+    # legend
+    kinds = {r.kind for rs in records_by_rank.values() for r in rs}
+    x, y = frame.left, axis_y + 26
+    for kind in [k for k in COLORS if k in kinds] + sorted(kinds - set(COLORS)):
+        w = 14 + int(draw.textlength(kind, font=font)) + 12
+        if x + w > width:
+            break
+        draw.rectangle([x, y, x + 9, y + 9], fill=COLORS.get(kind, _OTHER))
+        draw.text((x + 13, y + 5), kind, fill=_INK, font=font, anchor="lm")
+        x += w
+    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(height, width, 3)
 
 
-def chrome_trace(records_by_rank: Mapping[int, Sequence[ActionRecord]], path: str, step: int | None = None) -> None:
-    """Write a Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing); atomic replace."""
+# -------------------------------------------------------------------------------------------- chrome trace
+
+_LANES = {"F": 0, "B": 0, "W": 0, "COMM": 1, "WAIT": 1, "SYNC": 2, "OPT": 2}
+_LANE_NAMES = {0: "compute", 1: "comm / wait", 2: "sync / optimizer", 3: "other"}
+
+
+def chrome_trace(records_by_rank: Mapping[int, Sequence[ActionRecord]], path: str,
+                 step: int | None = None) -> None:
+    """Write a Chrome/Perfetto trace (ui.perfetto.dev or chrome://tracing): pid = rank, tid = lane; atomic."""
     events: list[dict[str, Any]] = []
     for rank, rs in sorted(records_by_rank.items()):
         stages = sorted({r.stage for r in rs})
-        events.append({"ph": "M", "name": "process_name", "pid": rank,
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                        "args": {"name": f"rank {rank} (stage {','.join(map(str, stages))})"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})
+        for lane in sorted({_LANES.get(r.kind, 3) for r in rs}):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": lane,
+                           "args": {"name": _LANE_NAMES[lane]}})
         for r in rs:
-            lane = "compute" if r.kind in COMPUTE else "comm" if r.kind in ("COMM", "WAIT") else "other"
-            events.append({"ph": "X", "pid": rank, "tid": lane, "ts": r.start * 1e6, "dur": (r.end - r.start) * 1e6,
+            events.append({"ph": "X", "pid": rank, "tid": _LANES.get(r.kind, 3), "cat": r.kind,
                            "name": f"{r.kind}{r.microbatch}" if r.microbatch >= 0 else r.kind,
+                           "ts": r.start * 1e6, "dur": _duration(r) * 1e6,
                            "args": {"stage": r.stage, "microbatch": r.microbatch}})
-    doc = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"step": step}}
+    doc: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if step is not None:
+        doc["otherData"] = {"step": step}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# -------------------------------------------------------------------------------------- TensorBoard writer
+
+_STAGE_PARTS = ("F", "B", "W", "comm_wait", "sync", "idle")
+
+# Tags are regexes matched from the start (re.match); ``$`` keeps "train/loss" from matching "train/loss_x".
+# Per-stage charts match every stage, so the layout is written once and needs no stage count.
+_LAYOUT: dict[str, dict[str, list[Any]]] = {
+    "Throughput": {"samples/s": ["Multiline", [r"throughput/samples_per_s$"]],
+                   "tokens/s": ["Multiline", [r"throughput/tokens_per_s$"]],
+                   "step time (s)": ["Multiline", [r"time/step_s$"]]},
+    "Pipeline": {"bubble: measured vs theoretical": ["Multiline", [r"pipeline/bubble_measured$",
+                                                                   r"pipeline/bubble_theoretical$"]],
+                 **{f"{part} time per stage (s)": ["Multiline", [rf"time/stage\d+/{part}$"]]
+                    for part in _STAGE_PARTS}},
+    "Training": {"loss: train vs val": ["Multiline", [r"train/loss$", r"val/loss$"]],
+                 "learning rate": ["Multiline", [r"train/lr$"]],
+                 "grad norm": ["Multiline", [r"train/grad_norm$"]]},
+}
 
 
 class MetricsWriter:
-    """TensorBoard writer for the trainer; a disabled writer (non-logging ranks) does nothing."""
+    """TensorBoard views of training; with ``log_dir=None`` or ``enabled=False`` every method is a no-op.
 
-    def __init__(self, log_dir: str | None, *, enabled: bool = True) -> None:
-        self.enabled = enabled and log_dir is not None
-        self.writer: Any = None
-        self._stages: set[int] = set()
+    Events go to ``log_dir/run_name`` (or ``log_dir`` without a run name).
+    """
+
+    def __init__(self, log_dir: str | None, *, enabled: bool = True, run_name: str | None = None) -> None:
+        self.log_dir = os.path.join(log_dir, run_name) if log_dir is not None and run_name else log_dir
+        self.enabled = enabled and self.log_dir is not None
+        self._writer: SummaryWriter | None = None
         if self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=log_dir)
-            self._layout(stages=())
+            from torch.utils import tensorboard
+            self._writer = tensorboard.SummaryWriter(log_dir=self.log_dir)
+            self._writer.add_custom_scalars(_LAYOUT)    # at most once per SummaryWriter
+            self._writer.flush()
 
-    def _layout(self, stages: Sequence[int]) -> None:
-        stage_charts = {f"stage {s}: F/B/W/comm_wait/idle (s)": ["Multiline", [f"time/stage{s}/.*"]] for s in stages}
-        self.writer.add_custom_scalars({
-            "Throughput": {"samples/s": ["Multiline", ["throughput/samples_per_s"]],
-                           "tokens/s": ["Multiline", ["throughput/tokens_per_s"]],
-                           "step time (s)": ["Multiline", ["time/step_s"]]},
-            "Pipeline": {"bubble: measured vs theoretical": ["Multiline", ["pipeline/bubble_measured",
-                                                                           "pipeline/bubble_theoretical"]],
-                         **stage_charts},
-            "Training": {"loss (train, val)": ["Multiline", ["train/loss", "val/loss"]],
-                         "learning rate": ["Multiline", ["train/lr"]],
-                         "grad norm": ["Multiline", ["train/grad_norm"]]},
-        })
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add(self, step: int, scalars: Mapping[str, float]) -> None:
+        assert self._writer is not None
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, float(value), step)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        if self.enabled:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, step)
+        """Scalars under the tags as given (e.g. ``train/loss``)."""
+        if self._writer is not None:
+            self._add(step, scalars)
+            self._writer.flush()
 
     def log_step(self, step: int, *, loss: float, lr: float, grad_norm: float | None, step_time: float,
                  samples_per_s: float, tokens_per_s: float | None,
                  breakdown_by_stage: Mapping[int, Mapping[str, float]], measured_bubble: float,
                  theoretical_bubble: float) -> None:
-        if not self.enabled:
+        """One training step: loss, lr, norm, throughput, bubbles and each stage's time breakdown (seconds).
+
+        ``breakdown_by_stage`` maps a stage to a :func:`compute_breakdown`; ``comm_wait`` = COMM + WAIT and
+        ``sync`` = SYNC + OPT. Optional values that are None are not written.
+        """
+        if self._writer is None:
             return
         scalars = {"train/loss": loss, "train/lr": lr, "time/step_s": step_time,
                    "throughput/samples_per_s": samples_per_s, "pipeline/bubble_measured": measured_bubble,
@@ -171,27 +312,27 @@ class MetricsWriter:
             scalars["train/grad_norm"] = grad_norm
         if tokens_per_s is not None:
             scalars["throughput/tokens_per_s"] = tokens_per_s
-        for stage, parts in breakdown_by_stage.items():
-            for kind in ("F", "B", "W", "idle"):
-                scalars[f"time/stage{stage}/{kind}"] = float(parts.get(kind, 0.0))
-            scalars[f"time/stage{stage}/comm_wait"] = float(parts.get("COMM", 0.0) + parts.get("WAIT", 0.0))
-        if set(breakdown_by_stage) - self._stages:
-            self._stages |= set(breakdown_by_stage)
-            self._layout(sorted(self._stages))
-        self.log_scalars(step, scalars)
-        self.writer.flush()
+        for stage, parts in sorted(breakdown_by_stage.items()):
+            merged = {"F": parts.get("F", 0.0), "B": parts.get("B", 0.0), "W": parts.get("W", 0.0),
+                      "comm_wait": parts.get("COMM", 0.0) + parts.get("WAIT", 0.0),
+                      "sync": parts.get("SYNC", 0.0) + parts.get("OPT", 0.0), "idle": parts.get("idle", 0.0)}
+            scalars.update({f"time/stage{stage}/{k}": v for k, v in merged.items()})
+        self._add(step, scalars)
+        self._writer.flush()     # a live TensorBoard sees every logged step
 
     def log_eval(self, step: int, val_loss: float) -> None:
-        if self.enabled:
-            self.writer.add_scalar("val/loss", val_loss, step)
-            self.writer.flush()
+        """Validation loss under ``val/loss``."""
+        self.log_scalars(step, {"val/loss": val_loss})
 
     def log_timeline(self, step: int, records_by_rank: Mapping[int, Sequence[ActionRecord]]) -> None:
-        if self.enabled:
-            img = timeline_image(records_by_rank, title=f"step {step}: pipeline timeline (measured)")
-            self.writer.add_image("pipeline/timeline", img, step, dataformats="HWC")
-            self.writer.flush()
+        """The step's timeline image under ``pipeline/timeline``."""
+        if self._writer is not None:
+            img = timeline_image(records_by_rank, title=f"step {step}: measured pipeline timeline")
+            self._writer.add_image("pipeline/timeline", img, step, dataformats="HWC")
+            self._writer.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self.writer.close()
+        """Flush and close; later calls are no-ops."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,67 +1,190 @@
-"""Metrics: breakdown, measured bubble, timeline image, Chrome trace, TensorBoard writer."""
+"""Metrics: breakdown, measured bubble, gather, timeline image, Chrome trace, TensorBoard round trip."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from pipeengine.metrics import (COLORS, ActionRecord, MetricsWriter, chrome_trace, compute_breakdown,
-                                measured_bubble, timeline_image)
+from pipeengine.metrics import (COLORS, ActionRecord, MetricsWriter, _frame, chrome_trace, compute_breakdown,
+                                gather_records, measured_bubble, timeline_image)
 
-R = {0: [ActionRecord(0, 0, "F", 0, 0.0, 0.1), ActionRecord(0, 0, "B", 0, 0.3, 0.5),
-         ActionRecord(0, 0, "WAIT", 0, 0.1, 0.3)],
-     1: [ActionRecord(1, 1, "F", 0, 0.1, 0.2), ActionRecord(1, 1, "B", 0, 0.2, 0.4)]}
+A = ActionRecord
+# Two ranks of pp=2, one microbatch, times in seconds; the step takes 0.8 s on both.
+#   rank 0  F0 [0, .1)  COMM [.1, .12)  WAIT [.12, .3)  B0 [.3, .5)  SYNC [.5, .55)  OPT [.55, .6)  idle .2
+#   rank 1  WAIT [0, .1)  F0 [.1, .25)  B0 [.25, .35)  W0 [.35, .45)  COMM [.45, .46)   idle .34
+R: dict[int, list[ActionRecord]] = {
+    0: [A(0, 0, "F", 0, 0.0, 0.1), A(0, 0, "COMM", 0, 0.1, 0.12), A(0, 0, "WAIT", 0, 0.12, 0.3),
+        A(0, 0, "B", 0, 0.3, 0.5), A(0, 0, "SYNC", -1, 0.5, 0.55), A(0, 0, "OPT", -1, 0.55, 0.6)],
+    1: [A(1, 1, "WAIT", 0, 0.0, 0.1), A(1, 1, "F", 0, 0.1, 0.25), A(1, 1, "B", 0, 0.25, 0.35),
+        A(1, 1, "W", 0, 0.35, 0.45), A(1, 1, "COMM", 0, 0.45, 0.46)]}
+STEP = 0.8
 
 
-def test_breakdown_and_bubble() -> None:
-    b = compute_breakdown(R[0], 0.5)
-    assert b == pytest.approx({"F": 0.1, "B": 0.2, "WAIT": 0.2, "idle": 0.0})
-    # rank 0 computes 0.3 of 0.5, rank 1 0.3 of 0.5 -> bubble 0.4 on both
-    assert measured_bubble(R, 0.5) == pytest.approx(0.4)
+def test_breakdown_sums_kinds_and_idle_is_the_rest() -> None:
+    assert compute_breakdown(R[0], STEP) == pytest.approx(
+        {"F": 0.1, "COMM": 0.02, "WAIT": 0.18, "B": 0.2, "SYNC": 0.05, "OPT": 0.05, "idle": 0.2})
+    assert compute_breakdown(R[1], STEP) == pytest.approx(
+        {"WAIT": 0.1, "F": 0.15, "B": 0.1, "W": 0.1, "COMM": 0.01, "idle": 0.34})
+    assert compute_breakdown(R[0], 0.5)["idle"] == 0.0       # records cover more than the step: clamped
+    assert compute_breakdown([], 0.3) == {"idle": 0.3}
+    with pytest.raises(ValueError, match="ends before it starts"):
+        compute_breakdown([A(0, 0, "F", 0, 0.2, 0.1)], 1.0)
 
 
-def test_timeline_image_has_boxes_where_records_are() -> None:
-    img = timeline_image(R, width=600)
-    assert img.dtype.name == "uint8" and img.shape[1] == 600 and img.shape[2] == 3
-    label_w, plot_w, top, row_h = 110, 600 - 110 - 10, 6, 28
-    y = top + row_h // 2 + 6
-    x_f = label_w + int(0.05 / 0.5 * plot_w)
-    assert tuple(img[y, x_f]) == COLORS["F"]
-    x_gap = label_w + int(0.45 / 0.5 * plot_w)    # rank 1 is idle after 0.4
-    assert tuple(img[top + row_h + row_h // 2 + 6, x_gap]) == (255, 255, 255)
+def test_measured_bubble_counts_only_compute_as_work() -> None:
+    # rank 0 computes 0.3 of 0.8 -> 0.625; rank 1 computes 0.35 (W included) -> 0.5625; waits are bubble
+    assert measured_bubble(R, STEP) == pytest.approx((0.625 + 0.5625) / 2)
+    assert measured_bubble({0: R[0]}, 0.3) == pytest.approx(0.0)     # fully busy rank
+    assert measured_bubble({0: R[0], 3: []}, STEP) == pytest.approx((0.625 + 1.0) / 2)
+    with pytest.raises(ValueError, match="positive"):
+        measured_bubble(R, 0.0)
+    with pytest.raises(ValueError, match="at least one rank"):
+        measured_bubble({}, 1.0)
+
+
+def test_gather_without_process_group_is_single_rank() -> None:
+    assert not dist.is_initialized()
+    assert gather_records(R[0]) == {0: R[0]}
+
+
+@pytest.fixture
+def single_rank_group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_through_gloo_rebuilds_records(single_rank_group: None) -> None:
+    out = gather_records(R[0])
+    assert out == {0: R[0]}
+    assert out is not None and all(type(r) is ActionRecord for r in out[0])
+    assert gather_records([]) == {0: []}       # a rank with nothing recorded still appears
+
+
+def _pixel(img: torch.Tensor, x: int, y: int) -> tuple[int, ...]:
+    return tuple(img[y, x].tolist())
+
+
+@pytest.mark.parametrize("width", [600, 1200])
+def test_timeline_image_boxes_at_measured_times(width: int) -> None:
+    img = timeline_image(R, width=width, title="step 0")
+    assert img.dtype == torch.uint8 and img.ndim == 3 and img.shape[1] == width and img.shape[2] == 3
+    f = _frame(R, width, "step 0")
+    assert f.x(0.0) < width // 4 and f.x(0.6) > width * 0.85     # the plot spans most of the width
+    top0, bottom0 = f.box_rows(0)
+    top1, bottom1 = f.box_rows(1)
+    # rank 0's F0 [0, 0.1): centre column, just inside the top edge (the microbatch label sits mid-box)
+    assert _pixel(img, f.x(0.05), top0 + 1) == COLORS["F"]
+    # most of the F0 box is F colour; the label "0" is drawn inside it in another colour
+    box = img[top0:bottom0 + 1, f.x(0.0):f.x(0.1) - 1].reshape(-1, 3)
+    is_f = (box == torch.tensor(COLORS["F"], dtype=torch.uint8)).all(dim=1)
+    assert is_f.float().mean() > 0.8 and not is_f.all()
+    # every kind at the centre of one of its boxes
+    for rank, t, kind in [(0, 0.2, "WAIT"), (0, 0.4, "B"), (0, 0.525, "SYNC"), (0, 0.575, "OPT"),
+                          (1, 0.05, "WAIT"), (1, 0.175, "F"), (1, 0.4, "W")]:
+        top, _ = f.box_rows(rank)
+        assert _pixel(img, f.x(t), top + 1) == COLORS[kind], (rank, t, kind)
+    # gaps: rank 1 does nothing after 0.46; nothing is drawn between rows
+    assert _pixel(img, f.x(0.53), (top1 + bottom1) // 2) == (255, 255, 255)
+    assert _pixel(img, f.x(0.4), (bottom0 + top1) // 2) == (255, 255, 255)
+
+
+def test_timeline_image_seam_between_back_to_back_boxes_and_narrow_width() -> None:
+    recs = {0: [A(0, 0, "F", 0, 0.0, 0.5), A(0, 0, "F", 1, 0.5, 1.0)]}
+    img = timeline_image(recs, width=400)
+    f = _frame(recs, 400, "")
+    top, _ = f.box_rows(0)
+    assert _pixel(img, f.x(0.5) - 1, top + 1) == (255, 255, 255)
+    assert _pixel(img, f.x(0.5), top + 1) == COLORS["F"]
+    with pytest.raises(ValueError, match="too narrow"):
+        timeline_image(recs, width=100)
 
 
 def test_chrome_trace(tmp_path: Path) -> None:
-    chrome_trace(R, str(tmp_path / "t.json"), step=3)
-    doc = json.loads((tmp_path / "t.json").read_text())
+    path = tmp_path / "sub" / "trace.json"
+    chrome_trace(R, str(path), step=3)
+    doc = json.loads(path.read_text())
+    assert doc["otherData"] == {"step": 3}
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    assert len(xs) == 5
+    assert len(xs) == len(R[0]) + len(R[1])
     f = next(e for e in xs if e["pid"] == 1 and e["name"] == "F0")
-    assert f["ts"] == pytest.approx(1e5) and f["dur"] == pytest.approx(1e5)
-    assert {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"} == {"rank 0 (stage 0)", "rank 1 (stage 1)"}
+    assert f["ts"] == pytest.approx(1e5) and f["dur"] == pytest.approx(1.5e5) and f["args"]["stage"] == 1
+    assert {e["name"] for e in xs if e["pid"] == 0} == {"F0", "COMM0", "WAIT0", "B0", "SYNC", "OPT"}
+    meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    names = {e["args"]["name"] for e in meta if e["name"] == "process_name"}
+    assert names == {"rank 0 (stage 0)", "rank 1 (stage 1)"}
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert {xs_e["tid"] for xs_e in xs if xs_e["pid"] == 0} == {t for p, t in lanes if p == 0}
+    assert lanes[(0, 0)] == "compute"
+    assert [p.name for p in path.parent.iterdir()] == ["trace.json"]    # the temporary file was replaced
+
+
+def _read_events(log_dir: Path) -> Any:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
 
 
 def test_writer_round_trip(tmp_path: Path) -> None:
-    w = MetricsWriter(str(tmp_path))
-    for step in range(3):
-        w.log_step(step, loss=2.0 - step, lr=0.1, grad_norm=1.5, step_time=0.5, samples_per_s=100.0,
-                   tokens_per_s=6400.0, breakdown_by_stage={0: compute_breakdown(R[0], 0.5)},
-                   measured_bubble=0.4, theoretical_bubble=0.2)
-    w.log_eval(2, 1.25)
-    w.log_timeline(2, R)
-    w.close()
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
-    acc.Reload()
-    assert [e.value for e in acc.Scalars("train/loss")] == [2.0, 1.0, 0.0]
-    assert acc.Scalars("val/loss")[0].value == 1.25
-    assert acc.Scalars("time/stage0/comm_wait")[0].value == pytest.approx(0.2)
-    assert acc.Scalars("pipeline/bubble_theoretical")[0].value == pytest.approx(0.2)
-    assert "pipeline/timeline" in acc.Tags()["images"]
-    assert "custom_scalars__config__" in acc.Tags()["tensors"]
-    disabled = MetricsWriter(str(tmp_path / "off"), enabled=False)
-    disabled.log_eval(0, 1.0)
-    disabled.close()
-    assert not (tmp_path / "off").exists()
+    breakdown = {s: compute_breakdown(R[s], STEP) for s in R}
+    with MetricsWriter(str(tmp_path), run_name="run") as w:
+        assert w.log_dir == str(tmp_path / "run")
+        for step in range(3):
+            w.log_step(step, loss=2.0 - step, lr=0.1 * (step + 1), grad_norm=1.5 if step else None,
+                       step_time=STEP, samples_per_s=100.0, tokens_per_s=6400.0,
+                       breakdown_by_stage=breakdown, measured_bubble=0.59375, theoretical_bubble=0.5)
+        w.log_scalars(3, {"train/loss": -1.0, "custom/x": 7.0})
+        w.log_eval(2, 1.25)
+        w.log_timeline(2, R)
+    acc = _read_events(tmp_path / "run")
+    tags = acc.Tags()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 2.0), (1, 1.0), (2, 0.0), (3, -1.0)]
+    assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([0.1, 0.2, 0.3])
+    assert [e.step for e in acc.Scalars("train/grad_norm")] == [1, 2]        # None is not written
+    assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(2, 1.25)]
+    assert acc.Scalars("custom/x")[0].value == 7.0
+    expect = {"time/step_s": STEP, "throughput/samples_per_s": 100.0, "throughput/tokens_per_s": 6400.0,
+              "pipeline/bubble_measured": 0.59375, "pipeline/bubble_theoretical": 0.5,
+              "time/stage0/F": 0.1, "time/stage0/B": 0.2, "time/stage0/W": 0.0, "time/stage0/comm_wait": 0.2,
+              "time/stage0/sync": 0.1, "time/stage0/idle": 0.2,
+              "time/stage1/W": 0.1, "time/stage1/comm_wait": 0.11, "time/stage1/idle": 0.34}
+    for tag, value in expect.items():
+        assert acc.Scalars(tag)[-1].value == pytest.approx(value), tag
+    assert tags["images"] == ["pipeline/timeline"]
+    image = acc.Images("pipeline/timeline")[0]
+    assert (image.step, image.width) == (2, 1200)
+    # the layout is a custom_scalars-plugin tensor holding a serialised Layout proto
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    tag = "custom_scalars__config__"
+    assert tag in tags["tensors"]
+    assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "custom_scalars"
+    layout = layout_pb2.Layout.FromString(acc.Tensors(tag)[0].tensor_proto.string_val[0])
+    charts = {c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category}
+    assert set(charts) == {"Throughput", "Pipeline", "Training"}
+    bubble = charts["Pipeline"]["bubble: measured vs theoretical"]
+    assert bubble == ["pipeline/bubble_measured$", "pipeline/bubble_theoretical$"]
+    assert charts["Training"]["loss: train vs val"] == ["train/loss$", "val/loss$"]
+    logged = set(tags["scalars"])
+    for category in charts.values():       # every chart's regexes pick up a logged tag
+        for title, regexes in category.items():
+            assert any(re.match(rx, t) for rx in regexes for t in logged), title
+
+
+def test_disabled_writer_is_a_no_op(tmp_path: Path) -> None:
+    for w in (MetricsWriter(str(tmp_path / "off"), enabled=False), MetricsWriter(None, run_name="x")):
+        w.log_step(0, loss=1.0, lr=0.1, grad_norm=None, step_time=1.0, samples_per_s=1.0, tokens_per_s=None,
+                   breakdown_by_stage={0: {"F": 1.0}}, measured_bubble=0.0, theoretical_bubble=0.0)
+        w.log_scalars(0, {"a": 1.0})
+        w.log_eval(0, 1.0)
+        w.log_timeline(0, R)
+        w.close()
+    assert list(tmp_path.iterdir()) == []
