@@ -187,6 +187,7 @@ class P2P:
             ordered = not (dist.is_initialized() and dist.get_backend(group) == "gloo")
         self.ordered = ordered
         self._deferred: list[PendingRecv] = []
+        self._group_rank: dict[int, int] = {}   # global peer -> its rank in the group
 
     def _check(self, op: SendOp | RecvOp) -> None:
         if not 0 <= op.tag < MAX_TAG:
@@ -202,26 +203,50 @@ class P2P:
         if pending in self._deferred:
             self._deferred.remove(pending)
         if bufs:
-            ops = [dist.P2POp(dist.irecv, b, pending.op.peer, self.group, pending.op.tag * 16 + 1 + i)
-                   for i, b in enumerate(bufs)]
-            pending.works = list(dist.batch_isend_irecv(ops))
+            pending.works = self._issue([(False, b, pending.op.peer, pending.op.tag * 16 + 1 + i)
+                                         for i, b in enumerate(bufs)])
         else:
             pending._done = True
 
+    def _issue(self, ops: list[tuple[bool, torch.Tensor, int, int]]) -> list[Any]:
+        """Start ``ops`` given as (is_send, tensor, global peer, wire tag); one work per op, or one for all.
+
+        Where order matters (NCCL) they go out as one coalesced ``batch_isend_irecv``. Gloo matches
+        by tag and runs every op on its own, so there each op is started directly on the process
+        group: ``batch_isend_irecv`` plus ``P2POp`` cost about 0.1 ms more per batch here than plain
+        sends (see benchmarks/README.md), paid on every hop of the pipeline's critical path.
+        """
+        if self.ordered:
+            return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group,
+                                                           tag) for send, t, peer, tag in ops]))
+        pg: Any = self.group if self.group is not None else dist.group.WORLD
+        works = []
+        for send, t, peer, tag in ops:
+            if peer not in self._group_rank:
+                self._group_rank[peer] = dist.get_group_rank(pg, peer)
+            works.append((pg.send if send else pg.recv)([t], self._group_rank[peer], tag))
+        return works
+
     def post(self, ops: Sequence[SendOp | RecvOp]) -> PendingBatch:
-        """Post every op of a batch without blocking (see [Note: header handshake])."""
+        """Post every op of a batch without blocking (see [Note: header handshake]).
+
+        Sends go first, so a peer waiting on this rank's output gets it before this rank spends
+        time posting its receives; the order among sends and among receives is kept, and with it
+        the per-peer order of each direction that NCCL matches by.
+        """
         for op in ops:
             self._check(op)
+        ops = [op for op in ops if isinstance(op, SendOp)] + [op for op in ops if isinstance(op, RecvOp)]
         sends = [op for op in ops if isinstance(op, SendOp)]
         tensors = {id(op): tuple(t.detach().to(self.device).contiguous() for t in op.tensors) for op in sends}
         recvs: list[PendingRecv] = []
         send_works: list[tuple[SendOp, list[Any]]] = []
-        p2p_ops: list[dist.P2POp] = []
+        p2p_ops: list[tuple[bool, torch.Tensor, int, int]] = []
         owners: list[PendingRecv | tuple[SendOp, list[Any]] | tuple[PendingRecv, str]] = []
 
         def flush() -> None:
             if p2p_ops:
-                works = _per_op(list(dist.batch_isend_irecv(p2p_ops)), len(p2p_ops))
+                works = _per_op(self._issue(p2p_ops), len(p2p_ops))
                 for owner, w in zip(owners, works):
                     if isinstance(owner, PendingRecv):
                         owner.works.extend(w)
@@ -243,17 +268,17 @@ class P2P:
                 if op.header:
                     hdr = encode_header([TensorMeta.of(t) for t in op.tensors], self.device)
                     tensors[id(op)] = tensors[id(op)] + (hdr,)   # keep the header alive too
-                    p2p_ops.append(dist.P2POp(dist.isend, hdr, op.peer, self.group, op.tag * 16))
+                    p2p_ops.append((True, hdr, op.peer, op.tag * 16))
                     owners.append(entry)
                 for j, t in enumerate(tensors[id(op)][:len(op.tensors)]):
-                    p2p_ops.append(dist.P2POp(dist.isend, t, op.peer, self.group, op.tag * 16 + 1 + j))
+                    p2p_ops.append((True, t, op.peer, op.tag * 16 + 1 + j))
                     owners.append(entry)
                 continue
             pending = PendingRecv(op, self._post_payload, self.timeout)
             recvs.append(pending)
             if op.header:
                 pending.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
-                p2p_ops.append(dist.P2POp(dist.irecv, pending.header_buf, op.peer, self.group, op.tag * 16))
+                p2p_ops.append((False, pending.header_buf, op.peer, op.tag * 16))
                 owners.append((pending, "header"))
                 self._deferred.append(pending)
                 if self.ordered and any(isinstance(o, RecvOp) and o.peer == op.peer for o in ops[i + 1:]):
@@ -263,7 +288,7 @@ class P2P:
             assert op.metas is not None
             pending.buffers = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in op.metas)
             for j, b in enumerate(pending.buffers):
-                p2p_ops.append(dist.P2POp(dist.irecv, b, op.peer, self.group, op.tag * 16 + 1 + j))
+                p2p_ops.append((False, b, op.peer, op.tag * 16 + 1 + j))
                 owners.append(pending)
             if not pending.buffers:
                 pending._done = True

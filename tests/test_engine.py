@@ -126,7 +126,8 @@ def replica_iter(data: Any, step: int, replica: int, dp: int, m: int) -> Iterato
     return iter([(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]) for k in range(m)])
 
 
-def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int, chunks: int = 1) -> dict[str, Any]:
+def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int, chunks: int = 1,
+               ordered: bool = False) -> dict[str, Any]:
     from pipeengine.engine import PipelineEngine
     from pipeengine.topology import Topology
     torch.set_default_dtype(torch.float64)
@@ -134,6 +135,7 @@ def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int, ch
     layers = build()
     engine = PipelineEngine(layers, nn.functional.mse_loss, OPTIMIZERS[opt], topology=Topology(pp=pp, dp=dp),
                             schedule=schedule, microbatches=m, chunks=chunks, timeout=60)
+    engine.p2p.ordered = ordered   # True: the NCCL path (coalesced batches, per-peer order) on Gloo
     losses, peaks = [], []
     for step in range(STEPS):
         result = engine.train_batch(replica_iter(data, step, engine.replica, dp, m))
@@ -190,7 +192,8 @@ WORLD2 = [(model, opt, sched, 2, 1, 4) for model in ("mlp",) for opt in ("sgd", 
           for sched in ("gpipe", "1f1b", "zb-h1")] + [
     ("mlp", "adam", "interleaved-1f1b", 2, 1, 4, 2),
     ("mlp", "sgd", "1f1b", 1, 2, 4), ("mlp", "adam", "gpipe", 1, 2, 4),
-    ("tuple", "adam", "1f1b", 2, 1, 4), ("tuple", "sgd", "gpipe", 2, 1, 2)]
+    ("tuple", "adam", "1f1b", 2, 1, 4), ("tuple", "sgd", "gpipe", 2, 1, 2),
+    ("mlp", "sgd", "interleaved-1f1b", 2, 1, 4, 2, True), ("tuple", "adam", "1f1b", 2, 1, 4, 1, True)]
 
 
 @pytest.mark.timeout(300)
@@ -200,14 +203,16 @@ def test_world2_pp2_and_dp2_equal_single_process() -> None:
 
 
 WORLD4 = [(model, opt, sched, pp, dp, m) for (pp, dp, m) in ((4, 1, 8), (2, 2, 4)) for model in ("mlp",)
-          for opt in ("sgd", "adam") for sched in ("gpipe", "1f1b")] + [("mlp", "adam", "zb-h1", 4, 1, 8)]
+          for opt in ("sgd", "adam") for sched in ("gpipe", "1f1b")] + [("mlp", "adam", "zb-h1", 4, 1, 8),
+                                                                        ("mlp", "sgd", "1f1b", 4, 1, 8, 1, True)]
 
 
 @pytest.mark.timeout(400)
 def test_world4_pp4_and_pp2dp2_equal_single_process_and_memory_bound() -> None:
     results = run_distributed(worker, 4, WORLD4, timeout=380)
     check(results, WORLD4)
-    for i, (_, _, sched, pp, dp, m) in enumerate(WORLD4):
+    for i, cfg in enumerate(WORLD4):
+        sched, pp, dp, m = cfg[2:6]
         peaks = stage_peaks(results, i)
         if sched == "1f1b":
             assert peaks == {s: min(pp - s, m) for s in range(pp)}, (WORLD4[i], peaks)

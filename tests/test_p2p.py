@@ -26,8 +26,9 @@ def test_header_errors() -> None:
         encode_header([TensorMeta((1,), torch.complex64)])
 
 
-def exchange(rank: int, world: int) -> list[str]:
-    p2p = P2P(torch.device("cpu"), timeout=20)
+def exchange(rank: int, world: int, ordered: bool) -> list[str]:
+    p2p = P2P(torch.device("cpu"), timeout=20, ordered=ordered)
+    assert p2p.ordered is ordered
     checks = []
     g = torch.Generator().manual_seed(0)
     act = (torch.randn(4, 16, 8, generator=g), torch.randint(0, 5, (4, 16), generator=g))
@@ -64,8 +65,9 @@ def exchange(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(90)
-def test_paired_batch_tuple_shape_change_and_timeout() -> None:
-    r0, r1 = run_distributed(exchange, 2, timeout=80)
+@pytest.mark.parametrize("ordered", [False, True], ids=["per-op (Gloo)", "coalesced in per-peer order (NCCL)"])
+def test_paired_batch_tuple_shape_change_and_timeout(ordered: bool) -> None:
+    r0, r1 = run_distributed(exchange, 2, ordered, timeout=80)
     assert r0[0] == "True" and r1[:3] == ["True", "True", "True"]
     assert r1[3].startswith("recvF1<0 on rank 1: no completion after 2 s with peer rank 0"), r1[3]
     assert "did not post the matching op" in r1[3]
