@@ -157,40 +157,87 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     return row
 
 
+def _half_step(half: nn.Module, opt: torch.optim.Optimizer, mbs: list[tuple[torch.Tensor, torch.Tensor]],
+               first: bool) -> float:
+    """One rank's share of a pp=2 step with no communication: F and B of its half for every microbatch."""
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    for xb, yb in mbs:
+        out = half(xb if first else xb.detach().requires_grad_(True))
+        if first:
+            out.backward(torch.ones_like(out))
+        else:
+            nn.functional.mse_loss(out, yb).backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
 def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) -> dict[str, Any] | None:
-    """pp=2 on 2 processes vs the unsplit model on one, same global batch and microbatches."""
+    """pp=2 on 2 processes vs the unsplit model on one, same global batch and microbatches.
+
+    Each round times, in turn: the unsplit model on rank 0 (rank 1 idle), a pp=2 engine step, each
+    half alone (the other rank idle) and both halves at once without communication. Alternating
+    spreads the machine's noise over all of them. The halves show what the machine allows: if two
+    processes slow each other down (shared caches, memory bandwidth, a busy host), then even a
+    free pipeline reaches only ``single / (slow + fast / m)`` with ``slow`` and ``fast`` the two
+    halves' times when run at once (a 2-stage 1F1B takes m microbatches of the slower stage plus
+    one of the faster).
+    """
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(depth)]
     x = torch.randn(global_batch, hidden)
     y = torch.randn(global_batch, hidden)
     mbs = list(zip(x.chunk(m), y.chunk(m)))
     rank = dist.get_rank()
-    single: list[float] = []
-    if rank == 0:
-        net = nn.Sequential(*layers)
-        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
-        for i in range(steps + 1):
+    net = nn.Sequential(*layers)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+    torch.manual_seed(0)
+    engine = PipelineEngine([nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(depth)],
+                            nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e-4),
+                            topology=Topology(2, 1), schedule="1f1b", microbatches=m, partition="uniform")
+    half = nn.Sequential(*layers[:depth // 2]) if rank == 0 else nn.Sequential(*layers[depth // 2:])
+    half_opt = torch.optim.SGD(half.parameters(), lr=1e-4)
+    times: dict[str, list[float]] = {"single": [], "pp2": [], "alone": [], "slow": [], "fast": []}
+    for i in range(steps + 1):
+        dist.barrier()
+        if rank == 0:
             t0 = time.perf_counter()
             opt.zero_grad()
             for xb, yb in mbs:   # gradient accumulation over the same microbatches
                 (nn.functional.mse_loss(net(xb), yb) / m).backward()
             opt.step()
-            if i:
-                single.append(time.perf_counter() - t0)
-    dist.barrier()
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(depth)]
-    engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e-4),
-                            topology=Topology(2, 1), schedule="1f1b", microbatches=m, partition="uniform")
-    engine.train_batch(iter(mbs))
-    piped = _median_step(lambda: engine.train_batch(iter(mbs)) and None, steps)
+            single = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_batch(iter(mbs))
+        pp2 = time.perf_counter() - t0
+        alone = [0.0, 0.0]
+        for r in (0, 1):
+            dist.barrier()
+            if rank == r:
+                alone[r] = _half_step(half, half_opt, mbs, rank == 0)
+        dist.barrier()
+        together = _half_step(half, half_opt, mbs, rank == 0)
+        both = [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
+        dist.all_gather(both, torch.tensor([together, *alone], dtype=torch.float64))
+        if i and rank == 0:   # round 0 warms up
+            times["single"].append(single)
+            times["pp2"].append(pp2)
+            times["slow"].append(max(float(both[0][0]), float(both[1][0])))
+            times["fast"].append(min(float(both[0][0]), float(both[1][0])))
+            times["alone"].append(max(float(both[0][1]), float(both[1][2])))
+    net.zero_grad(set_to_none=True)
     if rank != 0:
         return None
-    speedup = statistics.median(single) / statistics.median(piped)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    speedup = med["single"] / med["pp2"]
     ideal = 2 * m / (m + 1)
+    machine = med["single"] / (med["slow"] + med["fast"] / m)
     return {"mode": "real", "hidden": hidden, "depth": depth, "global_batch": global_batch, "microbatches": m,
-            "single_s": statistics.median(single), "pp2_s": statistics.median(piped), "speedup": speedup,
-            "ideal_speedup": ideal, "ratio_to_ideal": speedup / ideal}
+            "single_s": med["single"], "pp2_s": med["pp2"], "speedup": speedup, "ideal_speedup": ideal,
+            "ratio_to_ideal": speedup / ideal, "half_alone_s": med["alone"], "halves_together_s": med["slow"],
+            "slowdown_together": med["slow"] / med["alone"], "machine_bound_speedup": machine,
+            "ratio_to_machine_bound": speedup / machine}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -252,7 +299,10 @@ def main() -> None:
             print(json.dumps(rows[0]))
             r = rows[0]
             print(f"real compute: single {r['single_s']:.3f} s, pp=2 {r['pp2_s']:.3f} s, speedup {r['speedup']:.2f} "
-                  f"(ideal {r['ideal_speedup']:.2f}, ratio {r['ratio_to_ideal']:.3f})")
+                  f"(ideal {r['ideal_speedup']:.2f}, ratio {r['ratio_to_ideal']:.3f}); slower half alone "
+                  f"{r['half_alone_s']:.3f} s, both halves at once {r['halves_together_s']:.3f} s "
+                  f"(x{r['slowdown_together']:.2f}), so this machine allows {r['machine_bound_speedup']:.2f} "
+                  f"(ratio to that {r['ratio_to_machine_bound']:.3f})")
         else:
             print(table(rows))
     dist.destroy_process_group()
