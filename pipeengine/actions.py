@@ -84,7 +84,7 @@ class Action(NamedTuple):
 
 Step = tuple[Action, ...]
 """One step of a rank's program: a single compute action, or a batch of comm actions posted
-together (one ``batch_isend_irecv``)."""
+together (one coalesced ``batch_isend_irecv`` on NCCL, one call per op on Gloo: see p2p.py)."""
 
 
 @dataclass

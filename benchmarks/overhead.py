@@ -1,0 +1,152 @@
+"""Where a pipeline step's overhead goes: the cost of one Gloo post, and the engine's per-hop latency.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 8 benchmarks/overhead.py \\
+        --schedule 1f1b --microbatches 32
+
+Part 1 (ranks 0 and 1, the others wait): how long the call that posts ONE 32 KB send takes on
+rank 0 while rank 1's receive is already posted, three ways: ``dist.batch_isend_irecv`` with one
+``P2POp`` (what torch.distributed.pipelining and our NCCL path use), ``dist.isend``, and the
+process group's own ``send`` (our Gloo path); each right after a 10 ms sleep ("cold", as in a
+pipeline where the rank slept in its stage or waited for a peer) and in a tight loop ("warm").
+
+Part 2 (all ranks): our engine on sleep stages (10 ms per F, B and W part, 8 x 1024 float32
+activations, as in the sweep). Per rank, the mean time per step in each kind of record
+(F, B, W compute; COMM posting batches; WAIT blocked on a transfer; SYNC end of step). Per
+transfer whose receiver was already blocked on it: the hop latency from the end of the sender's
+compute to the return of the receiver's wait; and how long the sender's post took. Clocks are
+``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process on a host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.sleep_stages import sleep_layers  # noqa: E402
+from pipeengine.engine import PipelineEngine  # noqa: E402
+from pipeengine.schedule import Costs  # noqa: E402
+from pipeengine.topology import Topology  # noqa: E402
+
+
+def _median_us(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e6:.0f}"
+
+
+def post_costs(reps: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds rank 0 spends in the call posting one 32 KB send (rank 1 pre-posts the receive)."""
+    rank = dist.get_rank()
+    pg: Any = dist.group.WORLD
+    x = torch.zeros(8 * 1024)
+    posts = {
+        "batch_isend_irecv": lambda tag: dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1, tag=tag)])[0],
+        "dist.isend": lambda tag: dist.isend(x, 1, tag=tag),
+        "group.send": lambda tag: pg.send([x], 1, tag),
+    }
+    out: dict[str, dict[str, list[float]]] = {name: {"cold": [], "warm": []} for name in posts}
+    tag = 0
+    for name, post in posts.items():
+        for state in ("cold", "warm"):
+            for _ in range(reps):
+                dist.barrier()
+                tag += 1
+                if rank == 1:
+                    dist.irecv(x, 0, tag=tag).wait()
+                elif rank == 0:
+                    if state == "cold":
+                        time.sleep(0.010)
+                    else:   # keep the core busy until the post
+                        end = time.perf_counter() + 0.010
+                        while time.perf_counter() < end:
+                            pass
+                    t0 = time.perf_counter()
+                    work = post(tag)
+                    out[name][state].append(time.perf_counter() - t0)
+                    work.wait()
+    return out
+
+
+def engine_profile(schedule: str, m: int, steps: int) -> list[list[list[tuple[str, int, float, float]]]]:
+    """Every rank's records of ``steps`` measured steps, as (kind, microbatch, start, end) on one clock."""
+    world = dist.get_world_size()
+    t = 0.010
+    engine = PipelineEngine(sleep_layers(world, t, t, t), lambda out, _: out.sum(),
+                            lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(world, 1), schedule=schedule,
+                            microbatches=m, partition=list(range(world + 1)), costs=Costs(t, t, t))
+    x = torch.randn(8, 1024)
+    mine = []
+    for step in range(steps + 2):   # 2 warm-up steps
+        dist.barrier()
+        res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
+        if step >= 2:
+            mine.append([(r.kind, r.microbatch, r.start + engine._t0, r.end + engine._t0) for r in res.records])
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def analyse(per_rank: list[list[list[tuple[str, int, float, float]]]]) -> None:
+    world, steps = len(per_rank), len(per_rank[0])
+    print("per rank, ms per step:")
+    for r in range(world):
+        totals: dict[str, float] = {}
+        for step in per_rank[r]:
+            for kind, _, start, end in step:
+                totals[kind] = totals.get(kind, 0.0) + (end - start) * 1e3 / steps
+        print(f"  rank {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items())))
+    hops: dict[str, list[float]] = {"F": [], "B": []}
+    posts: list[float] = []
+    for s in range(steps):
+        ends = {(r, kind, mb): end for r in range(world) for kind, mb, _, end in per_rank[r][s] if kind in hops}
+        for r in range(world):
+            recs = per_rank[r][s]
+            for prev, cur in zip(recs, recs[1:]):
+                if cur[0] in hops and prev[0] == "WAIT" and prev[1] == cur[1]:
+                    src = r - 1 if cur[0] == "F" else r + 1
+                    sent = ends.get((src, cur[0], cur[1]))
+                    if sent is not None and prev[2] < sent:   # the receiver was blocked before the data left
+                        hops[cur[0]].append(prev[3] - sent)
+                if cur[0] == "COMM" and prev[0] in ("F", "B", "W"):
+                    posts.append(cur[3] - cur[2])
+    for kind, v in hops.items():
+        if v:
+            v.sort()
+            print(f"hop latency, {kind} transfers ({len(v)}): median {statistics.median(v) * 1e3:.3f} ms, "
+                  f"p90 {v[int(0.9 * len(v))] * 1e3:.3f} ms")
+    if posts:
+        print(f"posting a comm batch after compute: median {statistics.median(posts) * 1e3:.3f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=32)
+    p.add_argument("--steps", type=int, default=4, help="measured engine steps (after 2 warm-up steps)")
+    p.add_argument("--reps", type=int, default=30, help="posts timed per way and state in part 1")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if dist.get_world_size() < 2:
+        raise SystemExit("run with at least 2 processes, e.g. torchrun --nproc_per_node 8")
+    costs = post_costs(args.reps)
+    if dist.get_rank() == 0:
+        print("part 1: posting one 32 KB send on Gloo, median microseconds in the call (rank 1 waiting):")
+        for name, states in costs.items():
+            print(f"  {name:18s} cold {_median_us(states['cold']):>5s}   warm {_median_us(states['warm']):>5s}")
+    records = engine_profile(args.schedule, args.microbatches, args.steps)
+    if dist.get_rank() == 0:
+        print(f"part 2: our engine, {args.schedule}, pp={dist.get_world_size()}, m={args.microbatches}")
+        analyse(records)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
