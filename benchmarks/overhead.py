@@ -74,7 +74,7 @@ def post_costs(reps: int) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def engine_profile(schedule: str, m: int, steps: int) -> list[list[list[tuple[str, int, float, float]]]]:
+def engine_profile(schedule: str, m: int, steps: int) -> "Records":
     """Every rank's records of ``steps`` measured steps, as (kind, microbatch, start, end) on one clock."""
     world = dist.get_world_size()
     t = 0.010
@@ -93,15 +93,17 @@ def engine_profile(schedule: str, m: int, steps: int) -> list[list[list[tuple[st
     return gathered
 
 
-def analyse(per_rank: list[list[list[tuple[str, int, float, float]]]]) -> None:
+Records = list[list[list[tuple[str, int, float, float]]]]   # rank -> step -> (kind, microbatch, start, end)
+
+
+def analyse(per_rank: Records) -> dict[str, Any]:
+    """Per-rank ms per step by record kind, hop latencies (s) by transfer kind, post durations (s)."""
     world, steps = len(per_rank), len(per_rank[0])
-    print("per rank, ms per step:")
+    totals: list[dict[str, float]] = [{} for _ in range(world)]
     for r in range(world):
-        totals: dict[str, float] = {}
         for step in per_rank[r]:
             for kind, _, start, end in step:
-                totals[kind] = totals.get(kind, 0.0) + (end - start) * 1e3 / steps
-        print(f"  rank {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items())))
+                totals[r][kind] = totals[r].get(kind, 0.0) + (end - start) * 1e3 / steps
     hops: dict[str, list[float]] = {"F": [], "B": []}
     posts: list[float] = []
     for s in range(steps):
@@ -116,13 +118,19 @@ def analyse(per_rank: list[list[list[tuple[str, int, float, float]]]]) -> None:
                         hops[cur[0]].append(prev[3] - sent)
                 if cur[0] == "COMM" and prev[0] in ("F", "B", "W"):
                     posts.append(cur[3] - cur[2])
-    for kind, v in hops.items():
+    return {"ms_per_step": totals, "hops": {k: sorted(v) for k, v in hops.items()}, "posts": posts}
+
+
+def report(stats: dict[str, Any]) -> None:
+    print("per rank, ms per step:")
+    for r, totals in enumerate(stats["ms_per_step"]):
+        print(f"  rank {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items())))
+    for kind, v in stats["hops"].items():
         if v:
-            v.sort()
             print(f"hop latency, {kind} transfers ({len(v)}): median {statistics.median(v) * 1e3:.3f} ms, "
                   f"p90 {v[int(0.9 * len(v))] * 1e3:.3f} ms")
-    if posts:
-        print(f"posting a comm batch after compute: median {statistics.median(posts) * 1e3:.3f} ms")
+    if stats["posts"]:
+        print(f"posting a comm batch after compute: median {statistics.median(stats['posts']) * 1e3:.3f} ms")
 
 
 def main() -> None:
@@ -144,7 +152,7 @@ def main() -> None:
     records = engine_profile(args.schedule, args.microbatches, args.steps)
     if dist.get_rank() == 0:
         print(f"part 2: our engine, {args.schedule}, pp={dist.get_world_size()}, m={args.microbatches}")
-        analyse(records)
+        report(analyse(records))
     dist.destroy_process_group()
 
 

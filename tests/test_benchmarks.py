@@ -34,3 +34,19 @@ def test_efficiency_smoke(tmp_path: Path) -> None:
     assert rows[0]["ours_peak_stored"] == {"0": 2, "1": 1}          # 1F1B: min(p - s, m)
     assert rows[0]["ideal_s"] == pytest.approx(5 * 0.006)           # (m + p - 1)(f + b + w)
     assert "| 1f1b | 2 | 4 |" in proc.stdout
+
+
+def test_overhead_analysis_of_records() -> None:
+    """benchmarks/overhead.py: hop latency counts only transfers the receiver was already blocked on."""
+    from benchmarks.overhead import analyse
+    rank0 = [("F", 0, 0.0, 0.010), ("COMM", 0, 0.010, 0.0102), ("F", 1, 0.0102, 0.020), ("COMM", 1, 0.020, 0.0203),
+             ("WAIT", 0, 0.0203, 0.0400), ("B", 0, 0.0400, 0.050)]
+    rank1 = [("WAIT", 0, 0.001, 0.0105), ("F", 0, 0.0105, 0.0205),
+             ("WAIT", 1, 0.0205, 0.0210), ("F", 1, 0.0210, 0.031),     # waited after the data left: not a hop
+             ("B", 0, 0.031, 0.0396), ("COMM", 0, 0.0396, 0.0398)]
+    stats = analyse([[rank0], [rank1]])
+    assert stats["hops"]["F"] == [pytest.approx(0.0005)]              # rank 0's F0 ends 10.0 ms, rank 1 resumes 10.5
+    assert stats["hops"]["B"] == [pytest.approx(0.0004)]              # rank 1's B0 ends 39.6 ms, rank 0 resumes 40.0
+    assert stats["posts"] == [pytest.approx(0.0002), pytest.approx(0.0003), pytest.approx(0.0002)]
+    assert stats["ms_per_step"][0]["F"] == pytest.approx(19.8)
+    assert stats["ms_per_step"][1]["WAIT"] == pytest.approx(10.0)
