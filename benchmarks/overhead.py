@@ -14,7 +14,8 @@ activations, as in the sweep). Per rank, the mean time per step in each kind of 
 (F, B, W compute; COMM posting batches; WAIT blocked on a transfer; SYNC end of step). Per
 transfer whose receiver was already blocked on it: the hop latency from the end of the sender's
 compute to the return of the receiver's wait; and how long the sender's post took. Clocks are
-``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process on a host).
+``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process on a host). Also, on rank 0,
+the Python time from the engine starting to post a comm batch to its first op reaching Gloo.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def post_costs(reps: int) -> dict[str, dict[str, list[float]]]:
     }
     out: dict[str, dict[str, list[float]]] = {name: {"cold": [], "warm": []} for name in posts}
     tag = 0
-    for name, post in posts.items():
-        for state in ("cold", "warm"):
-            for _ in range(reps):
+    for _ in range(reps):   # round-robin, so the machine's drift reaches every way alike
+        for name, post in posts.items():
+            for state in ("cold", "warm"):
                 dist.barrier()
                 tag += 1
                 if rank == 1:
@@ -74,8 +75,31 @@ def post_costs(reps: int) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def engine_profile(schedule: str, m: int, steps: int) -> "Records":
-    """Every rank's records of ``steps`` measured steps, as (kind, microbatch, start, end) on one clock."""
+Records = list[list[list[tuple[str, int, float, float]]]]   # rank -> step -> (kind, microbatch, start, end)
+
+
+def _time_python_before_first_op(engine: PipelineEngine, delays: list[float]) -> None:
+    """Wrap the engine's batch posting to record, per batch, the seconds of Python before its first op
+    reaches the process group (the engine building the ops, then p2p.py preparing them)."""
+    post, issue = engine._post, engine.p2p._issue
+    start: list[float] = []
+
+    def timed_post(step: Any) -> None:
+        start[:] = [time.perf_counter()]
+        post(step)
+
+    def timed_issue(ops: Any) -> Any:
+        if start:
+            delays.append(time.perf_counter() - start.pop())
+        return issue(ops)
+
+    engine._post = timed_post                       # type: ignore[method-assign]
+    engine.p2p._issue = timed_issue                 # type: ignore[method-assign]
+
+
+def engine_profile(schedule: str, m: int, steps: int) -> tuple[Records, list[float]]:
+    """Every rank's records of ``steps`` measured steps, as (kind, microbatch, start, end) on one clock,
+    and this rank's Python time before the first op of each comm batch."""
     world = dist.get_world_size()
     t = 0.010
     engine = PipelineEngine(sleep_layers(world, t, t, t), lambda out, _: out.sum(),
@@ -83,17 +107,17 @@ def engine_profile(schedule: str, m: int, steps: int) -> "Records":
                             microbatches=m, partition=list(range(world + 1)), costs=Costs(t, t, t))
     x = torch.randn(8, 1024)
     mine = []
+    delays: list[float] = []
     for step in range(steps + 2):   # 2 warm-up steps
         dist.barrier()
+        if step == 2:
+            _time_python_before_first_op(engine, delays)
         res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
         if step >= 2:
             mine.append([(r.kind, r.microbatch, r.start + engine._t0, r.end + engine._t0) for r in res.records])
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
-    return gathered
-
-
-Records = list[list[list[tuple[str, int, float, float]]]]   # rank -> step -> (kind, microbatch, start, end)
+    return gathered, delays
 
 
 def analyse(per_rank: Records) -> dict[str, Any]:
@@ -138,7 +162,7 @@ def main() -> None:
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--steps", type=int, default=4, help="measured engine steps (after 2 warm-up steps)")
-    p.add_argument("--reps", type=int, default=30, help="posts timed per way and state in part 1")
+    p.add_argument("--reps", type=int, default=60, help="posts timed per way and state in part 1")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -149,10 +173,11 @@ def main() -> None:
         print("part 1: posting one 32 KB send on Gloo, median microseconds in the call (rank 1 waiting):")
         for name, states in costs.items():
             print(f"  {name:18s} cold {_median_us(states['cold']):>5s}   warm {_median_us(states['warm']):>5s}")
-    records = engine_profile(args.schedule, args.microbatches, args.steps)
+    records, delays = engine_profile(args.schedule, args.microbatches, args.steps)
     if dist.get_rank() == 0:
         print(f"part 2: our engine, {args.schedule}, pp={dist.get_world_size()}, m={args.microbatches}")
         report(analyse(records))
+        print(f"Python before a batch's first op reaches Gloo (rank 0): median {_median_us(delays)} us")
     dist.destroy_process_group()
 
 
