@@ -14,7 +14,8 @@ throughput ratio ours / torch.distributed.pipelining. Engines alternate (ours, t
 
 Real mode (2 processes): an MLP whose step takes about a second on one thread, run unsplit with
 gradient accumulation on rank 0 and as pp=2 1F1B on both ranks, same global batch and microbatches;
-reports the speedup and its ratio to the ideal p*m/(m+p-1).
+reports the speedup and its ratio to the ideal p*m/(m+p-1), and what this machine allows: the two
+halves run at once without communication, giving the speedup of a pipeline with free transfers.
 
 Output: one JSON line per configuration on rank 0 (to stdout and --out), then a table.
 """
@@ -226,7 +227,6 @@ def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) ->
             times["slow"].append(max(float(both[0][0]), float(both[1][0])))
             times["fast"].append(min(float(both[0][0]), float(both[1][0])))
             times["alone"].append(max(float(both[0][1]), float(both[1][2])))
-    net.zero_grad(set_to_none=True)
     if rank != 0:
         return None
     med = {k: statistics.median(v) for k, v in times.items()}
