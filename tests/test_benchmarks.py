@@ -50,3 +50,33 @@ def test_overhead_analysis_of_records() -> None:
     assert stats["posts"] == [pytest.approx(0.0002), pytest.approx(0.0003), pytest.approx(0.0002)]
     assert stats["ms_per_step"][0]["F"] == pytest.approx(19.8)
     assert stats["ms_per_step"][1]["WAIT"] == pytest.approx(10.0)
+
+
+@pytest.mark.timeout(240)
+def test_efficiency_real_mode_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "real.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "benchmarks" / "efficiency.py"), "--real", "--hidden", "64", "--depth", "4",
+           "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["mode"] == "real" and row["microbatches"] == 4
+    assert row["ideal_speedup"] == pytest.approx(2 * 4 / 5)
+    assert row["speedup"] == pytest.approx(row["single_s"] / row["pp2_s"])
+    assert row["machine_bound_speedup"] > 0 and row["halves_together_s"] > 0 and row["half_alone_s"] > 0
+    assert row["ratio_to_machine_bound"] == pytest.approx(row["speedup"] / row["machine_bound_speedup"])
+    assert "real compute: single" in proc.stdout and "this machine allows" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_overhead_script_smoke() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "benchmarks" / "overhead.py"), "--microbatches", "4", "--steps", "1", "--reps", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("batch_isend_irecv", "dist.isend", "group.send", "part 2: our engine, 1f1b, pp=2, m=4",
+                 "rank 1: B ", "hop latency, ", "Python before a batch's first op reaches Gloo"):
+        assert line in proc.stdout, (line, proc.stdout)
