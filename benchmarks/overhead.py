@@ -21,6 +21,7 @@ the Python time from the engine starting to post a comm batch to its first op re
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -115,6 +116,9 @@ def engine_profile(schedule: str, m: int, steps: int) -> tuple[Records, list[flo
         res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
         if step >= 2:
             mine.append([(r.kind, r.microbatch, r.start + engine._t0, r.end + engine._t0) for r in res.records])
+    del engine._post, engine.p2p._issue   # unwrap: no reference cycle keeps the engine (and its groups) alive
+    del engine
+    gc.collect()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     return gathered, delays
