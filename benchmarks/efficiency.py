@@ -212,21 +212,21 @@ def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) ->
         t0 = time.perf_counter()
         engine.train_batch(iter(mbs))
         pp2 = time.perf_counter() - t0
-        alone = [0.0, 0.0]
-        for r in (0, 1):
+        for r in (0, 1):   # each half alone, the other rank idle at the barrier
             dist.barrier()
             if rank == r:
-                alone[r] = _half_step(half, half_opt, mbs, rank == 0)
+                alone = _half_step(half, half_opt, mbs, rank == 0)
         dist.barrier()
         together = _half_step(half, half_opt, mbs, rank == 0)
-        both = [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
-        dist.all_gather(both, torch.tensor([together, *alone], dtype=torch.float64))
+        both = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]   # per rank: (together, alone)
+        dist.all_gather(both, torch.tensor([together, alone], dtype=torch.float64))
         if i and rank == 0:   # round 0 warms up
+            (together0, alone0), (together1, alone1) = (b.tolist() for b in both)
             times["single"].append(single)
             times["pp2"].append(pp2)
-            times["slow"].append(max(float(both[0][0]), float(both[1][0])))
-            times["fast"].append(min(float(both[0][0]), float(both[1][0])))
-            times["alone"].append(max(float(both[0][1]), float(both[1][2])))
+            times["slow"].append(max(together0, together1))
+            times["fast"].append(min(together0, together1))
+            times["alone"].append(max(alone0, alone1))
     if rank != 0:
         return None
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -238,6 +238,18 @@ def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) ->
             "ratio_to_ideal": speedup / ideal, "half_alone_s": med["alone"], "halves_together_s": med["slow"],
             "slowdown_together": med["slow"] / med["alone"], "machine_bound_speedup": machine,
             "ratio_to_machine_bound": speedup / machine}
+
+
+def describe_real(r: dict[str, Any]) -> str:
+    """One sentence for a real-mode row (printed by this script, written to the README by sweep.py)."""
+    return (f"Real compute (MLP {r['depth']} x {r['hidden']}, global batch {r['global_batch']}, "
+            f"{r['microbatches']} microbatches): single process {r['single_s']:.3f} s/step, pp=2 "
+            f"{r['pp2_s']:.3f} s/step, speedup {r['speedup']:.2f} of ideal {r['ideal_speedup']:.2f} "
+            f"(ratio {r['ratio_to_ideal']:.3f}). What this machine allows: the slower half alone "
+            f"{r['half_alone_s']:.3f} s, with the other half running at once {r['halves_together_s']:.3f} s "
+            f"(x{r['slowdown_together']:.2f}), so a free pipeline would reach {r['machine_bound_speedup']:.2f} "
+            f"({r['machine_bound_speedup'] / r['ideal_speedup']:.3f} of ideal); ours is "
+            f"{r['ratio_to_machine_bound']:.3f} of that.")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -297,12 +309,7 @@ def main() -> None:
                     fh.write(json.dumps(r) + "\n")
         if args.real:
             print(json.dumps(rows[0]))
-            r = rows[0]
-            print(f"real compute: single {r['single_s']:.3f} s, pp=2 {r['pp2_s']:.3f} s, speedup {r['speedup']:.2f} "
-                  f"(ideal {r['ideal_speedup']:.2f}, ratio {r['ratio_to_ideal']:.3f}); slower half alone "
-                  f"{r['half_alone_s']:.3f} s, both halves at once {r['halves_together_s']:.3f} s "
-                  f"(x{r['slowdown_together']:.2f}), so this machine allows {r['machine_bound_speedup']:.2f} "
-                  f"(ratio to that {r['ratio_to_machine_bound']:.3f})")
+            print(describe_real(rows[0]))
         else:
             print(table(rows))
     dist.destroy_process_group()

@@ -48,20 +48,12 @@ def main() -> None:
         torchrun(2, ["--real", "--microbatches", "8", "--steps", str(args.steps), "--out", out])
     rows = [json.loads(line) for line in open(out)]
     sys.path.insert(0, os.path.dirname(HERE))
-    from benchmarks.efficiency import table
+    from benchmarks.efficiency import describe_real, table
     sleep_rows = [r for r in rows if r.get("mode") != "real"]
     real = [r for r in rows if r.get("mode") == "real"]
     text = [f"Command: `python benchmarks/sweep.py` ({time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s, "
             f"2-core machine, Gloo on CPU, one run: ratios are from that run).", "", table(sleep_rows), ""]
-    for r in real:
-        text.append(f"Real compute (MLP {r['depth']} x {r['hidden']}, global batch {r['global_batch']}, "
-                    f"{r['microbatches']} microbatches): single process {r['single_s']:.3f} s/step, pp=2 "
-                    f"{r['pp2_s']:.3f} s/step, speedup {r['speedup']:.2f} of ideal {r['ideal_speedup']:.2f} "
-                    f"(ratio {r['ratio_to_ideal']:.3f}). What this machine allows: the slower half alone "
-                    f"{r['half_alone_s']:.3f} s, with the other half running at once {r['halves_together_s']:.3f} s "
-                    f"(x{r['slowdown_together']:.2f}), so a free pipeline would reach "
-                    f"{r['machine_bound_speedup']:.2f} ({r['machine_bound_speedup'] / r['ideal_speedup']:.3f} of "
-                    f"ideal); ours is {r['ratio_to_machine_bound']:.3f} of that.")
+    text += [describe_real(r) for r in real]
     readme = os.path.join(HERE, "README.md")
     doc = open(readme).read() if os.path.exists(readme) else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
     head, rest = doc.split(BEGIN, 1)

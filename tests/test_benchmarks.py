@@ -67,7 +67,7 @@ def test_efficiency_real_mode_smoke(tmp_path: Path) -> None:
     assert row["speedup"] == pytest.approx(row["single_s"] / row["pp2_s"])
     assert row["machine_bound_speedup"] > 0 and row["halves_together_s"] > 0 and row["half_alone_s"] > 0
     assert row["ratio_to_machine_bound"] == pytest.approx(row["speedup"] / row["machine_bound_speedup"])
-    assert "real compute: single" in proc.stdout and "this machine allows" in proc.stdout
+    assert "Real compute (MLP 4 x 64" in proc.stdout and "this machine allows" in proc.stdout
 
 
 @pytest.mark.timeout(240)
