@@ -82,7 +82,7 @@ Records = list[list[list[tuple[str, int, float, float]]]]   # rank -> step -> (k
 def _time_python_before_first_op(engine: PipelineEngine, delays: list[float]) -> None:
     """Wrap the engine's batch posting to record, per batch, the seconds of Python before its first op
     reaches the process group (the engine building the ops, then p2p.py preparing them)."""
-    post, issue = engine._post, engine.p2p._issue
+    post, issue = engine.wire.post, engine.wire._issue
     start: list[float] = []
 
     def timed_post(step: Any) -> None:
@@ -94,8 +94,8 @@ def _time_python_before_first_op(engine: PipelineEngine, delays: list[float]) ->
             delays.append(time.perf_counter() - start.pop())
         return issue(ops)
 
-    engine._post = timed_post                       # type: ignore[method-assign]
-    engine.p2p._issue = timed_issue                 # type: ignore[method-assign]
+    engine.wire.post = timed_post                   # type: ignore[method-assign]
+    engine.wire._issue = timed_issue                # type: ignore[method-assign]
 
 
 def engine_profile(schedule: str, m: int, steps: int) -> tuple[Records, list[float]]:
@@ -115,8 +115,8 @@ def engine_profile(schedule: str, m: int, steps: int) -> tuple[Records, list[flo
             _time_python_before_first_op(engine, delays)
         res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
         if step >= 2:
-            mine.append([(r.kind, r.microbatch, r.start + engine._t0, r.end + engine._t0) for r in res.records])
-    del engine._post, engine.p2p._issue   # unwrap: no reference cycle keeps the engine (and its groups) alive
+            mine.append([(r.kind, r.microbatch, r.start + engine.clock._t0, r.end + engine.clock._t0) for r in res.records])
+    del engine.wire.post, engine.wire._issue   # unwrap: no reference cycle keeps the engine (and its groups) alive
     del engine
     gc.collect()
     gathered: list[Any] = [None] * world

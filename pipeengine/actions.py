@@ -27,6 +27,8 @@ class Kind(str, enum.Enum):
     RECV_F = "recvF"   # receive this chunk's input activation from the previous stage
     SEND_B = "sendB"   # send the gradient of this chunk's input to the previous stage
     RECV_B = "recvB"   # receive the gradient of this chunk's output from the next stage
+    SEND_H = "sendH"   # send the shape header of this chunk's output stream (once per step, before its first sendF)
+    RECV_H = "recvH"   # receive the shape header of this chunk's input stream (once per step, before its first recvF)
 
     @property
     def is_compute(self) -> bool:
@@ -34,18 +36,21 @@ class Kind(str, enum.Enum):
 
     @property
     def is_send(self) -> bool:
-        return self in (Kind.SEND_F, Kind.SEND_B)
+        return self in (Kind.SEND_F, Kind.SEND_B, Kind.SEND_H)
 
     def __str__(self) -> str:
         return self.value
 
 
 _COMPUTE_RE = re.compile(r"^([FBW])(\d+)(?:\.(\d+))?$")
-_COMM_RE = re.compile(r"^(send|recv)([FB])(\d+)(?:\.(\d+))?([<>])(\d+)$")
+_COMM_RE = re.compile(r"^(send|recv)([FBH])(\d+)(?:\.(\d+))?([<>])(\d+)$")
 
 
 class Action(NamedTuple):
     """One action of one rank: ``F3`` (chunk 0), ``B3.1`` (chunk 1), ``sendF3>1`` (to rank 1).
+
+    In schedule data a "rank" is a pipeline position (0..pp-1, the rank's index in its pipeline);
+    a "stage" is a virtual stage ``chunk * pp + position`` (see :class:`Schedule`).
 
     ``chunk`` is the rank's local model chunk. For comm actions it is the local chunk whose
     data moves (the producer's chunk on a send, the consumer's chunk on a recv) and ``peer``
@@ -79,7 +84,7 @@ class Action(NamedTuple):
             return Action(Kind(op + fb), int(mb), int(chunk or 0), int(peer))
         raise ScheduleError(
             f"cannot parse action {t!r}: expected F3, B3, W3 (optionally with a chunk, F3.1), or a "
-            f"comm action like sendF3>1, recvF3<0, sendB3>0, recvB3<1")
+            f"comm action like sendF3>1, recvF3<0, sendB3>0, recvB3<1, sendH0>1, recvH0<0")
 
 
 Step = tuple[Action, ...]
@@ -194,7 +199,8 @@ def parse_schedule(text: str, name: str = "custom") -> Schedule:
         raise ScheduleError(f"header says pp={pp} but the text has {len(programs)} rank lines")
     mbs = sizes.get("microbatches", 1 + max((a.microbatch for a in actions), default=-1))
     chunks = sizes.get("chunks", 1 + max((a.chunk for a in actions), default=0))
-    forward_only = bool(actions) and all(a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F) for a in actions)
+    forward_kinds = (Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.SEND_H, Kind.RECV_H)
+    forward_only = bool(actions) and all(a.kind in forward_kinds for a in actions)
     return Schedule(name, pp, mbs, chunks, programs, lowered=lowered, forward_only=forward_only)
 
 

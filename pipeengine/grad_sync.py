@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradSync", "sync_tied", "clip_grad_norm"]
+__all__ = ["GradSync", "sync_tied", "broadcast_buffers", "clip_grad_norm"]
 
 
 class GradSync:
@@ -78,16 +78,31 @@ class GradSync:
         self._pending.clear()
 
 
-def sync_tied(params: Sequence[nn.Parameter], group: Any) -> None:
+def sync_tied(param: nn.Parameter, group: Any) -> None:
     """Sum the gradients of one logical parameter held as copies on the ranks of ``group``.
 
     Every copy then holds the full gradient, so identical optimizer steps keep the copies
     bit-identical.
     """
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    dist.all_reduce(param.grad, group=group)
+
+
+def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any) -> None:
+    """Give every DP replica replica ``src``'s buffers (BatchNorm statistics), as DDP does; one flat
+    broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    with torch.no_grad():
+        for bs in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in bs])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for b in bs:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, group: Any,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
     from PIL import ImageDraw, ImageFont
     from torch.utils.tensorboard import SummaryWriter
 
-__all__ = ["ActionRecord", "COLORS", "compute_breakdown", "measured_bubble", "gather_records",
+__all__ = ["Phase", "ActionRecord", "ActionClock", "COLORS", "compute_breakdown", "measured_bubble", "gather_records",
            "timeline_image", "chrome_trace", "MetricsWriter"]
 
 COMPUTE_KINDS = ("F", "B", "W")
@@ -28,6 +30,20 @@ _BACKGROUND = (255, 255, 255)
 _INK = (0, 0, 0)
 
 
+class Phase(str, enum.Enum):
+    """What a timed record covers (a ``str`` enum, so ``Phase.F == "F"``)."""
+
+    F = "F"          # forward of one microbatch through one chunk
+    B = "B"          # backward (input gradients only when the schedule has W)
+    W = "W"          # weight gradients of a split backward
+    COMM = "COMM"    # posting one comm step (a header step also waits for its header)
+    WAIT = "WAIT"    # blocked on a transfer the next compute needs, or on the step's last sends
+    SYNC = "SYNC"    # end of step: DP gradient all-reduce, tied sums, norm, optimizer step
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class ActionRecord(NamedTuple):
     """One timed action of one rank; times in seconds since the step started on that rank."""
 
@@ -38,6 +54,46 @@ class ActionRecord(NamedTuple):
     microbatch: int    # -1 when not applicable
     start: float
     end: float
+
+
+class ActionClock:
+    """Times a rank's actions: ``perf_counter`` on CPU, CUDA events on a GPU (so waits on the stream count).
+
+    ``mark()`` returns a time stamp (a float, or a recorded event); ``add()`` files a record with two
+    stamps; ``records()`` turns them into :class:`ActionRecord` in seconds since ``start()``
+    (on CUDA it waits for the last event first).
+    """
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank = rank
+        self.cuda = device.type == "cuda"
+        self._t0: Any = None
+        self._pending: list[tuple[int, str, int, Any, Any]] = []
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = self.mark()
+        self._pending = []
+
+    def add(self, stage: int, kind: str, microbatch: int, start: Any, end: Any) -> None:
+        self._pending.append((stage, kind, microbatch, start, end))
+
+    def elapsed(self, stamp: Any) -> float:
+        """Seconds from ``start()`` to ``stamp``."""
+        if self.cuda:
+            stamp.synchronize()
+            return float(self._t0.elapsed_time(stamp)) / 1000.0
+        return float(stamp - self._t0)
+
+    def records(self) -> list[ActionRecord]:
+        return [ActionRecord(self.rank, stage, kind, mb, self.elapsed(s), self.elapsed(e))
+                for stage, kind, mb, s, e in self._pending]
 
 
 def _duration(r: ActionRecord) -> float:

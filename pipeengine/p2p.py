@@ -1,48 +1,56 @@
-"""Paired point-to-point transfers between stages: batched isend/irecv, shape headers, tags, timeouts.
+"""The wire between pipeline stages: a step's comm actions as paired isend/irecv, shape headers, tags, buffers.
 
-[Note: header handshake]
-A receiver must allocate buffers before it can post a receive, so the first transfer of a stream
-carries a header: a fixed-size int64 tensor ``[count, (dtype code, requires_grad, ndim, dims...)*]``
-(no pickled objects on the wire). A send posts its header and payload together. A receive that
-needs a header posts only the header receive; its payload receive is posted when its shapes are
-first needed (``PendingRecv.metas`` / ``wait()``). Nothing in ``post()`` blocks, so every op stays
-atomic as in the schedule simulator: blocking a whole batch on its headers would make one op's
-payload wait for another op's header, a dependency the schedule never had (it deadlocked
-forward-only interleaved schedules). Backends that match by per-peer order (NCCL) resolve a
-deferred receive before any later receive from the same peer is posted, so both sides keep the
-same per-peer sequence.
+[Note: the wire is the program]
+Every transfer a rank makes is one comm action of its validated program, posted in program
+order, one step at a time; nothing else goes on the wire. A forward stream (the activations one
+stage sends to the next during one train or eval step) starts with an explicit header action
+``sendH``/``recvH``, which the lowering places in a step of its own before the stream's first
+payload (see simulate.py). The receiver completes a header step before it goes on, exactly as
+the validator's rendezvous semantics assume of every step, so when it posts a payload receive it
+already knows the shapes: ``post()`` never waits on data and no receive is deferred. Gradients
+need no header: they have the shapes of the floating-point activations this rank sent.
 
-[Note: tags]
-Gloo matches messages by (peer, tag); NCCL ignores tags and matches by per-peer order, which the
-schedule's paired order guarantees. Each transfer carries the caller's tag ``t`` (``0 <= t < 2**24``):
-the header uses ``16 t``, tensor ``i`` of a tuple ``16 t + 1 + i`` (so at most 15 tensors). On Gloo a
-receive posted out of order therefore waits (and times out, naming itself) instead of silently
-taking another transfer's data.
+Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``.
+``packed`` says whether the stage returned a tuple (kept a tuple on the other side, as in
+``nn.Sequential``) or a lone tensor.
 
-[Note: posting a batch]
-A batch's sends are posted before its receives (the order among sends, and among receives, is
-kept, so is each direction's per-peer order). Where order matters (``ordered``: NCCL) the batch
-is one coalesced ``batch_isend_irecv``; on Gloo every op is independent and is started directly
-on the process group, which is cheaper per op.
+[Note: modes]
+``tags`` (Gloo default): each transfer has its own tag, ``16 * t + i`` for tensor ``i`` of
+transfer ``t = 3 * (microbatch * stages + producer stage) + direction``; Gloo matches by (peer,
+tag), so the ops of a step are started and left running. ``strict`` (NCCL semantics on Gloo,
+used by the tests): one tag for every transfer between a pair, so Gloo matches by per-peer order
+as NCCL does, and every op of a comm step completes before the rank posts its next comm step, as
+on NCCL's single in-order stream. On NCCL (``coalesce``) a step is one ``batch_isend_irecv`` and
+waits make the compute stream wait instead of the host; the process group's own timeout and
+watchdog catch hangs there.
+
+[Note: buffer lifetimes]
+A sent tensor is held only until its send completed (``poll()`` after every action releases
+finished sends; the stage has already dropped everything but the autograd node, see stage.py);
+a received buffer is handed over by ``take()`` and lives as long as the stage needs it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2PTimeout", "TensorMeta", "SendOp", "RecvOp", "PendingRecv", "PendingBatch", "P2P",
-           "encode_header", "decode_header", "HEADER_LEN", "MAX_TAG"]
+from .actions import Action, Kind, Step
+
+__all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "HEADER_LEN",
+           "MAX_TAG", "MODES"]
 
 HEADER_LEN = 64
 MAX_TAG = 2**24
 MAX_TENSORS = 15
+MODES = ("tags", "strict")
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+Tensors = tuple[torch.Tensor, ...]
 
 
 class P2PTimeout(RuntimeError):
@@ -53,250 +61,268 @@ class P2PTimeout(RuntimeError):
 class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
-    requires_grad: bool = False
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
-        return TensorMeta(tuple(t.shape), t.dtype, bool(t.requires_grad))
+        return TensorMeta(tuple(t.shape), t.dtype)
 
 
-@dataclass(frozen=True)
-class SendOp:
-    peer: int                              # global rank
-    tag: int
-    tensors: tuple[torch.Tensor, ...]
-    header: bool
-    label: str
+def describe(metas: Sequence[TensorMeta]) -> str:
+    """``float32[4, 8], int64[4]``: shapes with their dtypes, as error messages show them."""
+    return ", ".join(f"{str(m.dtype).replace('torch.', '')}{list(m.shape)}" for m in metas) or "nothing"
 
 
-@dataclass(frozen=True)
-class RecvOp:
-    peer: int                              # global rank
-    tag: int
-    metas: tuple[TensorMeta, ...] | None   # None: learn them from the header (header must be True)
-    header: bool
-    label: str
-
-
-def encode_header(metas: Sequence[TensorMeta], device: torch.device | None = None) -> torch.Tensor:
-    """The fixed-size int64 header describing ``metas``."""
+def encode_header(packed: bool, metas: Sequence[TensorMeta], device: torch.device | None = None) -> torch.Tensor:
+    """The fixed-size int64 header announcing a stream's tensors."""
     if len(metas) > MAX_TENSORS:
         raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors to the next one (got {len(metas)}); "
                          f"pack them into fewer tensors")
-    out = [len(metas)]
+    out = [int(packed), len(metas)]
     for m in metas:
         if m.dtype not in DTYPES:
             raise TypeError(f"cannot send dtype {m.dtype} between stages; supported: "
                             f"{', '.join(str(d).replace('torch.', '') for d in DTYPES)}")
-        out += [DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
+        out += [DTYPES.index(m.dtype), len(m.shape), *m.shape]
     if len(out) > HEADER_LEN:
-        raise ValueError(f"the shapes {[m.shape for m in metas]} need a {len(out)}-entry header, more than "
+        raise ValueError(f"the shapes {describe(metas)} need a {len(out)}-entry header, more than "
                          f"{HEADER_LEN}; pass fewer or lower-rank tensors between stages")
     return torch.tensor(out + [0] * (HEADER_LEN - len(out)), dtype=torch.int64, device=device)
 
 
-def decode_header(header: torch.Tensor) -> tuple[TensorMeta, ...]:
+def decode_header(header: torch.Tensor) -> tuple[bool, tuple[TensorMeta, ...]]:
     h = [int(x) for x in header.tolist()]
-    if not 0 <= h[0] <= MAX_TENSORS:
-        raise ValueError(f"corrupt header: {h[0]} tensors")
-    metas, i = [], 1
-    for _ in range(h[0]):
-        code, grad, ndim = h[i], h[i + 1], h[i + 2]
-        if not 0 <= code < len(DTYPES) or ndim < 0 or i + 3 + ndim > HEADER_LEN:
-            raise ValueError(f"corrupt header entry at {i}: {h[i:i + 3]}")
-        metas.append(TensorMeta(tuple(h[i + 3:i + 3 + ndim]), DTYPES[code], bool(grad)))
-        i += 3 + ndim
-    return tuple(metas)
+    if h[0] not in (0, 1) or not 0 <= h[1] <= MAX_TENSORS:
+        raise ValueError(f"corrupt header {h[:4]}...: the peer sent something else (schedules out of order?)")
+    metas, i = [], 2
+    for _ in range(h[1]):
+        code, ndim = h[i], h[i + 1]
+        if not 0 <= code < len(DTYPES) or ndim < 0 or i + 2 + ndim > HEADER_LEN:
+            raise ValueError(f"corrupt header entry at {i}: {h[i:i + 2]}")
+        metas.append(TensorMeta(tuple(h[i + 2:i + 2 + ndim]), DTYPES[code]))
+        i += 2 + ndim
+    return bool(h[0]), tuple(metas)
 
 
-def _wait(works: Sequence[Any], timeout: float, label: str, peer: int) -> None:
-    for w in works:
-        try:
-            ok = w.wait(timeout=timedelta(seconds=timeout))
-        except RuntimeError as exc:
-            raise P2PTimeout(f"{label}: no completion after {timeout:g} s with peer rank {peer} "
-                             f"(the peer probably did not post the matching op: schedules out of order, "
-                             f"or the peer failed): {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
-        if ok is False:
-            raise P2PTimeout(f"{label}: no completion after {timeout:g} s with peer rank {peer}")
+def flatten(value: Any) -> tuple[bool, Tensors]:
+    """(packed, tensors) of what a stage returned: a Tensor, or a tuple/list of Tensors."""
+    if isinstance(value, torch.Tensor):
+        return False, (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
+        return True, tuple(value)
+    raise TypeError(f"a stage may only pass a Tensor or a tuple of Tensors to the next stage, got "
+                    f"{type(value).__name__}"
+                    f"{'' if not isinstance(value, (tuple, list)) else [type(t).__name__ for t in value]}")
 
 
-def _per_op(works: list[Any], n: int) -> list[list[Any]]:
-    """Gloo returns one work per op; NCCL's coalesced batch returns one work for them all."""
-    if len(works) == n:
-        return [[w] for w in works]
-    return [works] * n
+@dataclass
+class _Transfer:
+    action: Action
+    peer: int                                   # global rank
+    tensors: Tensors                            # send: what goes out; recv: the buffers
+    works: list[Any] = field(default_factory=list)
+    done: bool = False
 
 
-class PendingRecv:
-    """A posted receive: ``metas`` (waits for the header if there is one), ``wait()`` returns the tensors."""
+class Wire:
+    """Posts a rank's comm steps and hands over what arrives (see the module notes).
 
-    def __init__(self, op: RecvOp, post_payload: Any, timeout: float) -> None:
-        self.op = op
-        self.timeout = timeout
-        self._post_payload = post_payload      # callable(PendingRecv) posting the payload irecvs
-        self._metas: tuple[TensorMeta, ...] | None = op.metas
-        self.header_buf: torch.Tensor | None = None
-        self.header_works: list[Any] = []
-        self.buffers: tuple[torch.Tensor, ...] | None = None
-        self.works: list[Any] = []
-        self._done = False
+    Args:
+        device: where buffers live (CUDA for NCCL, CPU for Gloo).
+        global_rank: pipeline position -> global rank of this replica's peer.
+        stage_of: local chunk -> pipeline stage of this rank.
+        num_stages, microbatches: sizes of the schedule (they bound the tag space).
+        mode: ``tags`` or ``strict`` (Gloo); ignored with ``coalesce`` (NCCL is strict by nature).
+        coalesce: post each step as one ``batch_isend_irecv`` (default: when the backend is NCCL).
+    """
 
-    @property
-    def metas(self) -> tuple[TensorMeta, ...]:
-        """Shapes and dtypes; waits for the header (and then posts the payload receive) if needed."""
-        if self._metas is None:
-            assert self.header_buf is not None
-            _wait(self.header_works, self.timeout, f"{self.op.label} (shape header)", self.op.peer)
-            self._metas = decode_header(self.header_buf)
-        if self.buffers is None:
-            self._post_payload(self)
-        return self._metas
-
-    def wait(self) -> tuple[torch.Tensor, ...]:
-        """Block until every tensor arrived (P2PTimeout names the op); may be called again."""
-        self.metas  # noqa: B018  (posts the payload receive if the header just arrived)
-        assert self.buffers is not None
-        if not self._done:
-            _wait(self.works, self.timeout, self.op.label, self.op.peer)
-            self._done = True
-        return self.buffers
-
-
-class PendingBatch:
-    """A posted batch: its receives in op order, and its sends (kept alive until ``wait_sends``)."""
-
-    def __init__(self, recvs: list[PendingRecv], sends: list[tuple[SendOp, list[Any]]], timeout: float,
-                 keep: Any = None) -> None:
-        self.recvs = recvs
-        self._sends = sends
-        self.timeout = timeout
-        self._keep = keep   # the contiguous send buffers: alive until the sends completed
-
-    def wait_sends(self) -> None:
-        for op, works in self._sends:
-            _wait(works, self.timeout, op.label, op.peer)
-        self._sends = []
-        self._keep = None
-
-
-class P2P:
-    """Posts batches of sends/receives between global ranks on ``device`` (CUDA for NCCL, CPU for Gloo)."""
-
-    def __init__(self, device: torch.device, timeout: float = 300.0, group: Any = None,
-                 ordered: bool | None = None) -> None:
+    def __init__(self, device: torch.device, global_rank: Callable[[int], int], stage_of: Callable[[int], int],
+                 num_stages: int, microbatches: int, *, timeout: float = 300.0, mode: str = "tags",
+                 coalesce: bool | None = None, group: Any = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"wire mode must be one of {MODES} (got {mode!r})")
+        if coalesce is None:
+            coalesce = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        top = (3 * microbatches * num_stages) * 16
+        if mode == "tags" and not coalesce and top > MAX_TAG:
+            raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
+                             f"Gloo's {MAX_TAG}; use fewer microbatches or the 'strict' wire mode (one tag per pair)")
         self.device = device
+        self.global_rank = global_rank
+        self.stage_of = stage_of
+        self.num_stages = num_stages
         self.timeout = timeout
+        self.mode = mode
+        self.coalesce = coalesce
         self.group = group
-        # Gloo matches by tag; NCCL (and anything else) by per-peer order
-        if ordered is None:
-            ordered = not (dist.is_initialized() and dist.get_backend(group) == "gloo")
-        self.ordered = ordered
-        self._deferred: list[PendingRecv] = []
-        self._group_rank: dict[int, int] = {}   # global peer -> its rank in the group
+        self.log: list[tuple[str, str, int, int]] | None = None   # (action, send|recv, peer, tag) when set
+        self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        self._group_rank: dict[int, int] = {}
+        self.begin_step()
 
-    def _check(self, op: SendOp | RecvOp) -> None:
-        if not 0 <= op.tag < MAX_TAG:
-            raise ValueError(f"{op.label}: tag {op.tag} is outside 0..{MAX_TAG - 1}")
-        if isinstance(op, RecvOp) and (op.metas is None) != op.header:
-            raise ValueError(f"{op.label}: a receive needs either a header or known metas, not both/neither")
+    # ------------------------------------------------------------------ per-step state
 
-    def _post_payload(self, pending: PendingRecv) -> None:
-        metas = pending._metas
-        assert metas is not None
-        bufs = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-        pending.buffers = bufs
-        if pending in self._deferred:
-            self._deferred.remove(pending)
-        if bufs:
-            pending.works = self._issue([(False, b, pending.op.peer, pending.op.tag * 16 + 1 + i)
-                                         for i, b in enumerate(bufs)])
-        else:
-            pending._done = True
+    def begin_step(self) -> None:
+        """Forget the previous step's streams (shapes may change between steps, not within one)."""
+        self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
+        self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
+        self._headers: list[tuple[_Transfer, int]] = []                          # received, not yet decoded
+        self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
+        self._streams: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}      # producer stage -> agreed
+        self._sends: list[_Transfer] = []
+        self._last_step: list[_Transfer] = []
 
-    def _issue(self, ops: list[tuple[bool, torch.Tensor, int, int]]) -> list[Any]:
-        """Start ``ops`` given as (is_send, tensor, global peer, wire tag); one work per op, or one for all.
+    def put(self, kind: Kind, mb: int, chunk: int, value: Any) -> None:
+        """Hand over what chunk ``chunk`` produced for microbatch ``mb``: F output or B input gradients."""
+        self._outgoing[(kind, mb, chunk)] = (False, tuple(value)) if kind is Kind.B else flatten(value)
 
-        Where order matters (NCCL) they go out as one coalesced ``batch_isend_irecv``. Gloo matches
-        by tag and runs every op on its own, so there each op is started directly on the process
-        group, skipping ``P2POp`` and the coalescing manager: that posts one send in about a third
-        less time than ``batch_isend_irecv`` on the 2-core test machine (``benchmarks/overhead.py``).
+    # ------------------------------------------------------------------ posting
+
+    def _tag(self, direction: int, mb: int, producer: int) -> int | None:
+        """The first wire tag of a transfer in tags mode (its tensors take the next ones); None: one tag per pair."""
+        if self.mode == "strict" or self.coalesce:
+            return None
+        return 16 * (3 * (mb * self.num_stages + producer) + direction)
+
+    def _send_tensors(self, a: Action) -> Tensors:
+        stage = self.stage_of(a.chunk)
+        if a.kind is Kind.SEND_B:
+            return self._outgoing.pop((Kind.B, a.microbatch, a.chunk))[1]
+        packed, tensors = self._outgoing[(Kind.F, a.microbatch, a.chunk)]
+        metas = tuple(TensorMeta.of(t) for t in tensors)
+        if a.kind is Kind.SEND_H:
+            self._sent[stage] = (a.microbatch, packed, metas)
+            return (encode_header(packed, metas, self.device),)
+        del self._outgoing[(Kind.F, a.microbatch, a.chunk)]
+        first, first_packed, first_metas = self._sent[stage]
+        if (packed, metas) != (first_packed, first_metas):
+            raise ValueError(f"stage {stage} output for microbatch {a.microbatch} is ({describe(metas)}) but for "
+                             f"microbatch {first} of this step it was ({describe(first_metas)}): all microbatches "
+                             f"of one step must share shapes and dtypes (pad them); they may change between steps")
+        return tensors
+
+    def _recv_buffers(self, a: Action) -> Tensors:
+        stage = self.stage_of(a.chunk)
+        if a.kind is Kind.RECV_H:
+            return (torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device),)
+        if a.kind is Kind.RECV_F:
+            metas = self._streams[stage - 1][1]
+        else:   # gradients of the floating-point activations this chunk sent
+            metas = tuple(m for m in self._sent[stage][2] if m.dtype.is_floating_point)
+        return tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
+
+    def post(self, step: Step) -> None:
+        """Post one comm step (sends first, then receives, each in program order); never waits on data.
+
+        In strict mode the previous comm step's ops complete first (see [Note: modes]).
         """
-        if self.ordered:
-            return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group,
-                                                           tag) for send, t, peer, tag in ops]))
-        pg: Any = self.group if self.group is not None else dist.group.WORLD
-        works = []
-        for send, t, peer, tag in ops:
-            if peer not in self._group_rank:
-                self._group_rank[peer] = dist.get_group_rank(pg, peer)
-            works.append((pg.send if send else pg.recv)([t], self._group_rank[peer], tag))
-        return works
+        for tr in self._last_step:   # strict mode only
+            self._complete(tr)
+        transfers: list[_Transfer] = []
+        for a in sorted(step, key=lambda x: not x.kind.is_send):
+            stage = self.stage_of(a.chunk)
+            tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
+            tr = _Transfer(a, self.global_rank(a.peer), tensors)
+            transfers.append(tr)
+            if a.kind.is_send:
+                tr.tensors = tuple(t.detach().contiguous() for t in tensors)
+                self._sends.append(tr)
+            elif a.kind is Kind.RECV_H:
+                self._headers.append((tr, stage - 1))
+            else:
+                self._incoming[(a.kind, a.microbatch, a.chunk)] = tr
+        ops: list[tuple[_Transfer, torch.Tensor, int]] = []
+        for tr in transfers:
+            a = tr.action
+            producer = {Kind.SEND_F: 0, Kind.SEND_H: 0, Kind.SEND_B: 0, Kind.RECV_F: -1, Kind.RECV_H: -1,
+                        Kind.RECV_B: 1}[a.kind] + self.stage_of(a.chunk)
+            direction = 2 if a.kind in (Kind.SEND_H, Kind.RECV_H) else int(a.kind in (Kind.SEND_B, Kind.RECV_B))
+            base = self._tag(direction, a.microbatch, producer)
+            ops += [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
+            if not tr.tensors:
+                tr.done = True
+        self._issue(ops)
+        self._last_step = transfers if self.mode == "strict" and not self.coalesce else []
+        if self._headers:
+            self._settle_headers()
 
-    def post(self, ops: Sequence[SendOp | RecvOp]) -> PendingBatch:
-        """Post every op of a batch without blocking (see [Note: header handshake]).
+    def _issue(self, ops: list[tuple[_Transfer, torch.Tensor, int]]) -> None:
+        if self.log is not None:
+            self.log += [(str(tr.action), "send" if tr.action.kind.is_send else "recv", tr.peer, tag)
+                         for tr, _, tag in ops]
+        if not ops:
+            return
+        if self.coalesce:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if tr.action.kind.is_send else dist.irecv, t,
+                                                       tr.peer, self.group, tag) for tr, t, tag in ops])
+            # Gloo gives one work per op (never wait one twice: it would wait for a second transfer);
+            # NCCL gives one for the whole step, which every transfer of the step then waits on
+            for i, (tr, _, _) in enumerate(ops):
+                if len(works) == len(ops):
+                    tr.works.append(works[i])
+                else:
+                    tr.works = list(works)
+            return
+        for tr, t, tag in ops:   # Gloo: each op on its own, started directly on the process group
+            if tr.peer not in self._group_rank:
+                self._group_rank[tr.peer] = dist.get_group_rank(self._pg, tr.peer)
+            fn = self._pg.send if tr.action.kind.is_send else self._pg.recv
+            tr.works.append(fn([t], self._group_rank[tr.peer], tag))
 
-        Sends go first, so a peer waiting on this rank's output gets it before this rank spends
-        time posting its receives; the order among sends and among receives is kept, and with it
-        the per-peer order of each direction that NCCL matches by.
+    def _settle_headers(self) -> None:
+        """Complete the header receives just posted and learn their streams' shapes."""
+        for tr, producer in self._headers:
+            self._complete(tr)
+            self._streams[producer] = decode_header(tr.tensors[0])
+        self._headers = []
+
+    # ------------------------------------------------------------------ completion
+
+    def _complete(self, tr: _Transfer) -> None:
+        if tr.done:
+            return
+        label = f"{tr.action} on rank {dist.get_rank() if dist.is_initialized() else 0}"
+        for w in tr.works:
+            try:
+                if self.device.type == "cuda":
+                    w.wait()      # the compute stream waits; the host does not (see [Note: modes])
+                    continue
+                ok = w.wait(timeout=timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                raise P2PTimeout(f"{label}: no completion after {self.timeout:g} s with peer rank {tr.peer} "
+                                 f"(the peer did not post the matching op: schedules out of order, or the peer "
+                                 f"failed): {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+            if ok is False:
+                raise P2PTimeout(f"{label}: no completion after {self.timeout:g} s with peer rank {tr.peer}")
+        tr.done = True
+
+    def take(self, kind: Kind, mb: int, chunk: int) -> Any:
+        """Wait for a posted receive and hand its tensors over (the wire keeps no reference).
+
+        ``recvF`` gives what the producer stage returned (a Tensor, or a tuple when it returned one);
+        ``recvB`` gives the tuple of gradients of this chunk's floating-point outputs.
         """
-        for op in ops:
-            self._check(op)
-        sends = [op for op in ops if isinstance(op, SendOp)]
-        ops = [*sends, *(op for op in ops if isinstance(op, RecvOp))]
-        tensors = {id(op): tuple(t.detach().to(self.device).contiguous() for t in op.tensors) for op in sends}
-        recvs: list[PendingRecv] = []
-        send_works: list[tuple[SendOp, list[Any]]] = []
-        p2p_ops: list[tuple[bool, torch.Tensor, int, int]] = []
-        owners: list[PendingRecv | tuple[SendOp, list[Any]] | tuple[PendingRecv, str]] = []
+        tr = self._incoming.pop((kind, mb, chunk))
+        self._complete(tr)
+        if kind is Kind.RECV_B:
+            return tr.tensors
+        packed = self._streams[self.stage_of(chunk) - 1][0]
+        return tr.tensors if packed else tr.tensors[0]
 
-        def flush() -> None:
-            if p2p_ops:
-                works = _per_op(self._issue(p2p_ops), len(p2p_ops))
-                for owner, w in zip(owners, works):
-                    if isinstance(owner, PendingRecv):
-                        owner.works.extend(w)
-                    elif isinstance(owner[0], SendOp):
-                        owner[1].extend(w)
-                    else:
-                        owner[0].header_works.extend(w)
-            p2p_ops.clear()
-            owners.clear()
+    def poll(self) -> None:
+        """Release the buffers of sends that completed (never waits)."""
+        self._sends = [tr for tr in self._sends
+                       if not (tr.done or (tr.works and all(w.is_completed() for w in tr.works)))]
 
-        for i, op in enumerate(ops):
-            if self.ordered:   # keep the per-peer receive order: resolve deferred receives from this peer
-                for pending in [d for d in self._deferred if d.op.peer == op.peer and isinstance(op, RecvOp)]:
-                    flush()
-                    pending.metas  # noqa: B018
-            if isinstance(op, SendOp):
-                entry: tuple[SendOp, list[Any]] = (op, [])
-                send_works.append(entry)
-                if op.header:
-                    hdr = encode_header([TensorMeta.of(t) for t in op.tensors], self.device)
-                    tensors[id(op)] = tensors[id(op)] + (hdr,)   # keep the header alive too
-                    p2p_ops.append((True, hdr, op.peer, op.tag * 16))
-                    owners.append(entry)
-                for j, t in enumerate(tensors[id(op)][:len(op.tensors)]):
-                    p2p_ops.append((True, t, op.peer, op.tag * 16 + 1 + j))
-                    owners.append(entry)
-                continue
-            pending = PendingRecv(op, self._post_payload, self.timeout)
-            recvs.append(pending)
-            if op.header:
-                pending.header_buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
-                p2p_ops.append((False, pending.header_buf, op.peer, op.tag * 16))
-                owners.append((pending, "header"))
-                self._deferred.append(pending)
-                if self.ordered and any(isinstance(o, RecvOp) and o.peer == op.peer for o in ops[i + 1:]):
-                    flush()
-                    pending.metas  # noqa: B018
-                continue
-            assert op.metas is not None
-            pending.buffers = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in op.metas)
-            for j, b in enumerate(pending.buffers):
-                p2p_ops.append((False, b, op.peer, op.tag * 16 + 1 + j))
-                owners.append(pending)
-            if not pending.buffers:
-                pending._done = True
-        flush()
-        return PendingBatch(recvs, send_works, self.timeout, keep=tensors)
+    def finish(self) -> None:
+        """Wait until every send of the step completed and release it."""
+        for tr in self._sends:
+            self._complete(tr)
+        self._sends = []
+        self._last_step = []
+        leftover = [str(k) for k in self._incoming] + [str(k) for k in self._outgoing]
+        assert not leftover, f"step ended with transfers never used: {leftover}"
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """Every buffer the wire holds right now (sends in flight, receives not yet taken)."""
+        return [t for tr in [*self._sends, *self._incoming.values()] for t in tr.tensors] + [
+            t for _, ts in self._outgoing.values() for t in ts]

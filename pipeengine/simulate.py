@@ -260,8 +260,39 @@ def lower(schedule: Schedule) -> Schedule:
         if batch:
             prog.append(tuple(batch))
         programs.append(prog)
-    return Schedule(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks, programs,
-                    lowered=True, forward_only=schedule.forward_only)
+    return Schedule(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks,
+                    _add_headers(schedule, programs), lowered=True, forward_only=schedule.forward_only)
+
+
+def _add_headers(schedule: Schedule, programs: list[list[Step]]) -> list[list[Step]]:
+    """Put each forward stream's header right before its first payload, on both ends of the link.
+
+    A batch holding that payload is split there: ``[ops before it] [header] [it, the rest]``, so
+    on every link the header directly precedes the payload in both ranks' sequences and the
+    paired order is kept. The validator then proves the result like any other program.
+    """
+    out: list[list[Step]] = []
+    for r, prog in enumerate(programs):
+        started: set[tuple[Kind, int]] = set()
+        new: list[Step] = []
+        for step in prog:
+            rest = list(step)
+            for j, a in enumerate(step):
+                if a.kind not in (Kind.SEND_F, Kind.RECV_F):
+                    continue
+                stream = (a.kind, _transfer_id(schedule, r, a)[2])
+                if stream in started:
+                    continue
+                started.add(stream)
+                k = rest.index(a)
+                if k:
+                    new.append(tuple(rest[:k]))
+                new.append((Action(Kind.SEND_H if a.kind is Kind.SEND_F else Kind.RECV_H, a.microbatch, a.chunk,
+                                   a.peer),))
+                rest = rest[k:]
+            new.append(tuple(rest))
+        out.append(new)
+    return out
 
 
 # --------------------------------------------------------------------------- validation
@@ -270,16 +301,19 @@ def lower(schedule: Schedule) -> Schedule:
 def _transfer_id(schedule: Schedule, rank: int, a: Action) -> tuple[str, int, int]:
     """Identity of the transfer a comm action takes part in: (direction, microbatch, producer stage)."""
     s = schedule.stage(rank, a.chunk)
-    producer = {Kind.SEND_F: s, Kind.RECV_F: s - 1, Kind.SEND_B: s, Kind.RECV_B: s + 1}[a.kind]
-    return ("F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B", a.microbatch, producer)
+    producer = {Kind.SEND_F: s, Kind.RECV_F: s - 1, Kind.SEND_B: s, Kind.RECV_B: s + 1,
+                Kind.SEND_H: s, Kind.RECV_H: s - 1}[a.kind]
+    direction = {Kind.SEND_F: "F", Kind.RECV_F: "F", Kind.SEND_H: "H", Kind.RECV_H: "H"}.get(a.kind, "B")
+    return (direction, a.microbatch, producer)
 
 
 def _partner(schedule: Schedule, rank: int, a: Action) -> Action:
     s = schedule.stage(rank, a.chunk)
-    other = {Kind.SEND_F: s + 1, Kind.RECV_F: s - 1, Kind.SEND_B: s - 1, Kind.RECV_B: s + 1}[a.kind]
+    other = {Kind.SEND_F: s + 1, Kind.RECV_F: s - 1, Kind.SEND_B: s - 1, Kind.RECV_B: s + 1,
+             Kind.SEND_H: s + 1, Kind.RECV_H: s - 1}[a.kind]
     _, c = schedule.placement(other)
-    kind = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F,
-            Kind.SEND_B: Kind.RECV_B, Kind.RECV_B: Kind.SEND_B}[a.kind]
+    kind = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F, Kind.SEND_B: Kind.RECV_B,
+            Kind.RECV_B: Kind.SEND_B, Kind.SEND_H: Kind.RECV_H, Kind.RECV_H: Kind.SEND_H}[a.kind]
     return Action(kind, a.microbatch, c, rank)
 
 
@@ -300,8 +334,11 @@ def _check_comm(schedule: Schedule) -> None:
                         inputs[consumer] = recv
         seen: set[Action] = set()
         ran: set[Action] = set()
+        _check_headers(schedule, r, prog)
         for i, step in enumerate(prog):
             for a in step:
+                if a.kind in (Kind.SEND_H, Kind.RECV_H):
+                    continue
                 if a.kind.is_compute:
                     rv = inputs.get(a)
                     if rv is not None and rv not in seen:
@@ -324,6 +361,45 @@ def _check_comm(schedule: Schedule) -> None:
         for a, why in needed.items():
             if a not in seen:
                 raise ScheduleError(f"rank {r} never posts {a} (needed {why})\n" + format_grid(schedule))
+
+
+def _check_headers(schedule: Schedule, rank: int, prog: list[Step]) -> None:
+    """One header per forward stream, in a step of its own before the stream's first payload.
+
+    The receiver must know a stream's shapes before it posts a payload receive, so its header
+    step completes first (see [Note: the wire is the program] in p2p.py).
+    """
+    header_at: dict[tuple[Kind, int], tuple[int, Action]] = {}   # (sendF|recvF, producer stage) -> header
+    computed: set[Action] = set()
+    started: set[tuple[Kind, int]] = set()
+    for i, step in enumerate(prog):
+        for a in step:
+            if a.kind.is_compute:
+                computed.add(a)
+            if a.kind not in (Kind.SEND_H, Kind.RECV_H, Kind.SEND_F, Kind.RECV_F):
+                continue
+            payload = Kind.SEND_F if a.kind in (Kind.SEND_F, Kind.SEND_H) else Kind.RECV_F
+            stream = (payload, _transfer_id(schedule, rank, a)[2])
+            if a.kind in (Kind.SEND_H, Kind.RECV_H):
+                if len(step) != 1:
+                    raise _fail(schedule, rank, i, f"header {a} must be a step of its own (the receiver "
+                                                   f"completes it before it posts the payload)")
+                if stream in header_at:
+                    raise _fail(schedule, rank, i, f"{a} is the second header of its stream (the first is "
+                                                   f"{header_at[stream][1]} at step {header_at[stream][0]})")
+                if a.kind is Kind.SEND_H and Action(Kind.F, a.microbatch, a.chunk) not in computed:
+                    raise _fail(schedule, rank, i, f"{a} is posted before F{a.microbatch} made the shapes it announces")
+                header_at[stream] = (i, a)
+                continue
+            if stream not in header_at:
+                h = Action(Kind.SEND_H if a.kind is Kind.SEND_F else Kind.RECV_H, a.microbatch, a.chunk, a.peer)
+                raise _fail(schedule, rank, i, f"{a} has no header before it: the first transfer of a stream "
+                                               f"needs {h} in a step of its own before it")
+            h = header_at[stream][1]
+            if stream not in started and (h.microbatch, h.chunk) != (a.microbatch, a.chunk):
+                raise _fail(schedule, rank, i, f"header {h} is for microbatch {h.microbatch} but the stream's "
+                                               f"first payload is {a}")
+            started.add(stream)
 
 
 def _check_pairing(schedule: Schedule) -> None:

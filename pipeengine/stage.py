@@ -1,79 +1,122 @@
-"""One model chunk on one rank: run F, B and W for a microbatch; keep and free its activations.
+"""One model chunk on one rank: F, B and W for a microbatch, activation checkpointing, precision, freeing.
 
 [Note: stage boundary detach]
-A chunk's input arrives as fresh tensors (from a recv, or detached from the previous chunk on
-the same rank), made leaves with ``requires_grad=True`` when floating point. Backward of the
-chunk therefore stops at its own inputs, and ``input.grad`` is exactly the gradient to send to
-the previous stage. The graph never spans two chunks, so each microbatch's graph is freed by its
-own backward and nothing leaks across stages.
+A chunk's input arrives as fresh tensors (from a receive, or detached from the previous chunk
+on the same rank) and its floating-point tensors become leaves with ``requires_grad=True``.
+Backward of the chunk therefore stops at its own inputs and ``input.grad`` is exactly what the
+previous stage needs. The graph never spans two chunks.
+
+[Note: free at the earliest point]
+Per microbatch a chunk keeps only what backward needs, and only as long as it needs it:
+
+    what                         kept until        why
+    input leaves (received)      B                 B computes their gradients
+    output roots                 B (W if split)    autograd needs the node, not the data:
+                                                   their storage is swapped for an empty one
+                                                   right after F (the wire still holds the
+                                                   sent alias until the send completed)
+    received output gradients    B (W if split)    W re-runs the backward from them
+
+Backward then runs from roots whose data is gone, so it calls autograd's engine directly
+(``torch.autograd.backward`` would compare the gradient's shape with the emptied root), as
+Megatron's ``deallocate_output_tensor`` does. An output that is a view, or that is one of the
+chunk's inputs, keeps its data (freeing it would free someone else's).
 
 [Note: split backward]
-Zero-bubble schedules split backward into B (gradients w.r.t. the chunk's inputs only, graph
-retained) and W (gradients w.r.t. the parameters, graph freed). Both run ``autograd.backward``
-with an explicit ``inputs=`` list, so B never touches ``param.grad`` and W never touches the
-inputs. W re-traverses the graph: simple and exact, at the price of repeating the shared part
-of the backward.
+Zero-bubble schedules split backward into B (gradients of the chunk's inputs only, graph kept)
+and W (gradients of the parameters, graph freed), both from the same roots with an explicit
+``inputs=`` list: B never touches ``param.grad`` and W never touches the inputs.
+
+[Note: activation checkpointing]
+``checkpoint="full"`` runs the chunk's layers as one ``torch.utils.checkpoint`` region
+(non-reentrant, RNG state preserved), so a microbatch keeps only its chunk input until its
+backward recomputes the rest; ``"every:K"`` makes one region of every K consecutive layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
-__all__ = ["LayerChain", "StageChunk", "as_tuple"]
+__all__ = ["LayerChain", "StageChunk", "PRECISIONS", "parse_checkpoint"]
 
 Tensors = tuple[torch.Tensor, ...]
-
-
-def as_tuple(x: Any) -> Tensors:
-    """A layer output as a tuple of tensors (a lone tensor becomes a 1-tuple)."""
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(x)
-    raise TypeError(f"a stage may only pass a Tensor or a tuple of Tensors to the next stage, got "
-                    f"{type(x).__name__}{'' if not isinstance(x, (tuple, list)) else [type(t).__name__ for t in x]}")
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LayerChain(nn.Module):
-    """Layers applied in order; a tuple output is passed unpacked: ``x = layer(*x)``."""
+    """Layers applied in order, one argument each, exactly as ``nn.Sequential`` does (a tuple stays a tuple)."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, *args: Any) -> Any:
-        x: Any = args[0] if len(args) == 1 else tuple(args)
+    def forward(self, x: Any) -> Any:
         for layer in self.layers:
-            x = layer(*x) if isinstance(x, tuple) else layer(x)
+            x = layer(x)
         return x
+
+
+def parse_checkpoint(spec: str) -> int | None:
+    """Layers per checkpoint region: ``none`` -> None, ``full`` -> 0 (the whole chunk), ``every:K`` -> K."""
+    if spec == "none":
+        return None
+    if spec == "full":
+        return 0
+    if spec.startswith("every:") and spec[6:].isdigit() and int(spec[6:]) >= 1:
+        return int(spec[6:])
+    raise ValueError(f"checkpoint must be 'none', 'full' or 'every:K' with K >= 1 layers per region (got {spec!r})")
+
+
+def _deallocate(t: torch.Tensor, inputs: Tensors) -> None:
+    """Swap a root's storage for an empty one (see [Note: free at the earliest point])."""
+    if t.grad_fn is not None and t._base is None and not any(t is x for x in inputs):
+        t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
+
+
+def _run_backward(roots: Tensors, grads: Tensors, inputs: Tensors, keep_graph: bool) -> None:
+    torch.autograd.Variable._execution_engine.run_backward(
+        roots, grads, keep_graph, False, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 @dataclass
 class _Saved:
-    inputs: Tensors          # leaves that need grads (floating inputs of a non-first chunk)
-    outputs: Tensors         # roots of backward (the loss on the last stage)
+    inputs: Tensors                  # leaves that need gradients (floating inputs of a non-first chunk)
+    roots: Tensors                   # where backward starts (the scaled loss on the last stage)
+    grads: Tensors = field(default=())   # gradients of the roots (kept for W when backward is split)
 
 
 class StageChunk:
     """Runs one chunk (pipeline stage ``stage`` of ``num_stages``) for individual microbatches."""
 
-    def __init__(self, module: nn.Module, stage: int, num_stages: int,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], microbatches: int) -> None:
+    def __init__(self, module: LayerChain, stage: int, num_stages: int, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 microbatches: int, checkpoint: str = "none", precision: str = "fp32") -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
         self.module = module
         self.stage = stage
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self.loss_fn = loss_fn
         self.microbatches = microbatches
+        self.dtype = PRECISIONS[precision]      # autocast and wire dtype; None: fp32 throughout
+        self.loss_scale = 1.0                   # fp16: the engine's dynamic loss scale
+        per = parse_checkpoint(checkpoint)
+        layers = list(module.layers)
+        self.regions: list[LayerChain] | None = None
+        if per is not None:
+            size = per or len(layers)
+            self.regions = [LayerChain(layers[i:i + size]) for i in range(0, len(layers), size)]
         self.saved: dict[int, _Saved] = {}
         self.peak_stored = 0
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._params = tuple(p for p in module.parameters() if p.requires_grad)
 
     def reset(self) -> None:
         self.saved.clear()
@@ -81,65 +124,118 @@ class StageChunk:
         self.outputs.clear()
         self.peak_stored = 0
 
-    def forward(self, mb: int, inputs: Tensors, target: Any, train: bool, keep_output: bool = False) -> Tensors:
-        """Run F; return the outputs to send on (empty on the last stage, which keeps its loss)."""
-        if not self.is_first:
-            # See [Note: stage boundary detach]
-            inputs = tuple(t.requires_grad_(train) if t.is_floating_point() else t for t in inputs)
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
+    def _layers(self, x: Any) -> Any:
+        if self.regions is None:
+            return self.module(x)
+        for region in self.regions:
+            x = _checkpoint(region, x, use_reentrant=False, preserve_rng_state=True)
+        return x
+
+    def forward(self, mb: int, x: Any, target: Any, train: bool, keep_output: bool = False) -> Any:
+        """Run F on one argument ``x``; return what to pass on (None on the last stage, which keeps its loss)."""
+        inputs: Tensors = ()
+        if not self.is_first:   # See [Note: stage boundary detach]
+            inputs = tuple(_leaves(x))
+            for t in inputs:
+                t.requires_grad_(train)
         with torch.set_grad_enabled(train):
-            out = self.module(*inputs)
+            with self._autocast(_device_of(x, self._params)):
+                out = self._layers(x)
             if self.is_last:
-                loss = self.loss_fn(out, target)
+                loss = self.loss_fn(_to_float(out), target)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar Tensor, got "
                                     f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
                 if keep_output:
-                    self.outputs[mb] = out.detach() if isinstance(out, torch.Tensor) else out
-                loss = loss / self.microbatches
+                    self.outputs[mb] = _detach(out)
+                loss = loss.reshape(()) / self.microbatches
                 self.losses.append(loss.detach())
-                outputs: Tensors = (loss,)
+                roots: Tensors = (loss * self.loss_scale,) if train else ()
             else:
-                outputs = as_tuple(out)
-        if train:
-            leaves = tuple(t for t in inputs if t.is_floating_point()) if not self.is_first else ()
-            self.saved[mb] = _Saved(leaves, outputs)
-            self.peak_stored = max(self.peak_stored, len(self.saved))
-        return () if self.is_last else tuple(t.detach() for t in outputs)
-
-    def _roots(self, mb: int, grads: Tensors | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        saved = self.saved[mb]
+                if self.dtype is not None:   # activations travel in the low precision
+                    out = _map(out, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+                roots = tuple(t for t in _flat(out) if t.is_floating_point())
+        if not train:
+            return None if self.is_last else out
+        self.saved[mb] = _Saved(inputs, roots)
+        self.peak_stored = max(self.peak_stored, len(self.saved))
         if self.is_last:
-            return [saved.outputs[0]], None
-        if grads is None:
-            raise RuntimeError(f"stage {self.stage} microbatch {mb}: backward needs the output gradients")
-        floats = [o for o in saved.outputs if o.is_floating_point()]
-        if len(floats) != len(grads):
-            raise RuntimeError(f"stage {self.stage} microbatch {mb}: got {len(grads)} output gradients "
-                               f"for {len(floats)} floating-point outputs")
-        pairs = [(o, g) for o, g in zip(floats, grads) if o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _input_grads(self, mb: int) -> Tensors:
-        return tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in self.saved[mb].inputs)
+            return None
+        passed = _detach(out)
+        for t in roots:
+            _deallocate(t, inputs)
+        return passed
 
     def backward(self, mb: int, grads: Tensors | None, split: bool) -> Tensors:
         """Run B; return the gradients of the chunk's floating-point inputs (empty on the first stage)."""
-        roots, root_grads = self._roots(mb, grads)
         saved = self.saved[mb]
-        if split:
-            # See [Note: split backward]
+        root_grads = self._root_grads(mb, saved, grads)
+        pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
+        roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
+        if split:   # See [Note: split backward]
             if saved.inputs and roots:
-                torch.autograd.backward(roots, root_grads, retain_graph=True, inputs=list(saved.inputs))
-            return self._input_grads(mb)
-        if roots:
-            torch.autograd.backward(roots, root_grads)
-        result = self._input_grads(mb)
-        del self.saved[mb]
+                _run_backward(roots, rgrads, saved.inputs, keep_graph=True)
+            saved.grads = root_grads
+        elif roots:
+            _run_backward(roots, rgrads, (), keep_graph=False)
+        result = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs)
+        saved.inputs = ()
+        if not split:
+            del self.saved[mb]
         return result
 
-    def backward_weight(self, mb: int, grads: Tensors | None) -> None:
-        """Run W after a split B: accumulate parameter gradients and free the microbatch."""
-        roots, root_grads = self._roots(mb, grads)
-        if roots and self._params:
-            torch.autograd.backward(roots, root_grads, inputs=self._params)
-        del self.saved[mb]
+    def backward_weight(self, mb: int) -> None:
+        """Run W after a split B: accumulate the parameter gradients and free the microbatch."""
+        saved = self.saved.pop(mb)
+        pairs = [(r, g) for r, g in zip(saved.roots, saved.grads) if r.requires_grad]
+        if pairs and self._params:
+            _run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), self._params, keep_graph=False)
+
+    def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
+        if self.is_last:
+            return (torch.ones_like(saved.roots[0]),)
+        if grads is None:
+            raise RuntimeError(f"stage {self.stage} microbatch {mb}: backward needs the output gradients")
+        if len(grads) != len(saved.roots):
+            raise RuntimeError(f"stage {self.stage} microbatch {mb}: got {len(grads)} output gradients "
+                               f"for {len(saved.roots)} floating-point outputs")
+        return grads
+
+
+def _flat(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for t in x:
+            yield from _flat(t)
+
+
+def _leaves(x: Any) -> Iterator[torch.Tensor]:
+    return (t for t in _flat(x) if t.is_floating_point())
+
+
+def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(t, fn) for t in x)
+    return x
+
+
+def _detach(x: Any) -> Any:
+    return _map(x, lambda t: t.detach())
+
+
+def _to_float(x: Any) -> Any:
+    return _map(x, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
+
+
+def _device_of(x: Any, params: Tensors) -> torch.device:
+    for t in _flat(x):
+        return t.device
+    return params[0].device if params else torch.device("cpu")

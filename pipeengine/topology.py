@@ -1,4 +1,4 @@
-"""The PP x DP rank grid: rank <-> (stage, replica), and every process group built in one fixed order."""
+"""The PP x DP rank grid: rank <-> (position, replica), and every process group built in one fixed order."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ ORDERS = ("stage-major", "replica-major")
 
 
 class TopologyError(ValueError):
-    """A PP x DP grid that does not fit the world, or a rank/stage/replica out of range."""
+    """A PP x DP grid that does not fit the world, or a rank/position/replica out of range."""
 
 
 @dataclass(frozen=True)
 class Topology:
-    """``pp`` pipeline stages x ``dp`` replicas. Pure rank math: no process group needed.
+    """``pp`` pipeline positions x ``dp`` replicas. Pure rank math: no process group needed.
 
-    ``order="stage-major"`` (default): ``rank = stage * dp + replica``, so a stage's DP group is
+    ``order="stage-major"`` (default): ``rank = position * dp + replica``, so a position's DP group is
     contiguous ranks (all-reduce stays inside a node when dp <= GPUs per node).
-    ``order="replica-major"``: ``rank = replica * pp + stage``, so a pipeline is contiguous ranks.
+    ``order="replica-major"``: ``rank = replica * pp + position``, so a pipeline is contiguous ranks.
     """
 
     pp: int
@@ -69,14 +69,14 @@ class Topology:
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} is outside 0..{self.world_size - 1} (pp={self.pp} x dp={self.dp})")
 
-    def rank(self, stage: int, replica: int) -> int:
-        if not 0 <= stage < self.pp:
-            raise TopologyError(f"stage {stage} is outside 0..{self.pp - 1}")
+    def rank(self, position: int, replica: int) -> int:
+        if not 0 <= position < self.pp:
+            raise TopologyError(f"position {position} is outside 0..{self.pp - 1}")
         if not 0 <= replica < self.dp:
             raise TopologyError(f"replica {replica} is outside 0..{self.dp - 1}")
-        return stage * self.dp + replica if self.order == "stage-major" else replica * self.pp + stage
+        return position * self.dp + replica if self.order == "stage-major" else replica * self.pp + position
 
-    def stage_of(self, rank: int) -> int:
+    def position_of(self, rank: int) -> int:
         self._check_rank(rank)
         return rank // self.dp if self.order == "stage-major" else rank % self.pp
 
@@ -84,39 +84,39 @@ class Topology:
         self._check_rank(rank)
         return rank % self.dp if self.order == "stage-major" else rank // self.pp
 
-    def dp_group_ranks(self, stage: int) -> list[int]:
-        """The replicas of ``stage``, by replica."""
-        return [self.rank(stage, r) for r in range(self.dp)]
+    def dp_group_ranks(self, position: int) -> list[int]:
+        """The replicas of ``position``, by replica."""
+        return [self.rank(position, r) for r in range(self.dp)]
 
     def pp_group_ranks(self, replica: int) -> list[int]:
-        """The ranks of one pipeline, by stage."""
+        """The ranks of one pipeline, by position."""
         return [self.rank(s, replica) for s in range(self.pp)]
 
     def next_rank(self, rank: int) -> int | None:
-        s = self.stage_of(rank)
+        s = self.position_of(rank)
         return None if s == self.pp - 1 else self.rank(s + 1, self.replica_of(rank))
 
     def prev_rank(self, rank: int) -> int | None:
-        s = self.stage_of(rank)
+        s = self.position_of(rank)
         return None if s == 0 else self.rank(s - 1, self.replica_of(rank))
 
-    def is_first_stage(self, rank: int) -> bool:
-        return self.stage_of(rank) == 0
+    def is_first_position(self, rank: int) -> bool:
+        return self.position_of(rank) == 0
 
-    def is_last_stage(self, rank: int) -> bool:
-        return self.stage_of(rank) == self.pp - 1
+    def is_last_position(self, rank: int) -> bool:
+        return self.position_of(rank) == self.pp - 1
 
-    def tie_group_ranks(self, stages: Sequence[int], replica: int) -> list[int]:
-        """Ranks of one replica holding the given stages (sorted, unique)."""
-        return sorted({self.rank(s, replica) for s in stages})
+    def tie_group_ranks(self, positions: Sequence[int], replica: int) -> list[int]:
+        """Ranks of one replica holding the given positions (sorted, unique)."""
+        return sorted({self.rank(s, replica) for s in positions})
 
     def describe(self) -> str:
-        """A small grid: one row per stage, one column per replica, cells are ranks."""
+        """A small grid: one row per position, one column per replica, cells are ranks."""
         width = len(str(self.world_size - 1))
         head = f"pp={self.pp} x dp={self.dp} = {self.world_size} ranks ({self.order})"
         cols = " ".join(f"r{r:<{width}}" for r in range(self.dp))
-        rows = [f"          {cols}"] + [
-            f"stage {s:<3} " + " ".join(f"{self.rank(s, r):>{width + 1}}" for r in range(self.dp))
+        rows = [f"             {cols}"] + [
+            f"position {s:<3} " + " ".join(f"{self.rank(s, r):>{width + 1}}" for r in range(self.dp))
             for s in range(self.pp)]
         return "\n".join([head] + rows)
 
@@ -127,7 +127,7 @@ class ProcessGroups:
 
     topology: Topology
     rank: int
-    stage: int
+    position: int
     replica: int
     dp_group: Any
     pp_group: Any
@@ -140,9 +140,9 @@ def build_groups(topology: Topology, rank: int | None = None,
 
     Why one fixed order: ``new_group`` is collective over the whole world, every rank must call it
     for every group, including those it is not in, in the same sequence, or ranks pair up different
-    calls and hang. The order is: one DP group per stage (0..pp-1), one pipeline group per replica
-    (0..dp-1), then for each tie (a tuple of stages whose ranks share a parameter) one group per
-    replica. A tie touching a single stage needs no group.
+    calls and hang. The order is: one DP group per position (0..pp-1), one pipeline group per replica
+    (0..dp-1), then for each tie (a tuple of positions whose ranks share a parameter) one group per
+    replica. A tie touching a single position needs no group.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs torch.distributed initialised (dist.init_process_group)")
@@ -151,11 +151,11 @@ def build_groups(topology: Topology, rank: int | None = None,
         raise TopologyError(f"topology pp={topology.pp} x dp={topology.dp} = {topology.world_size} ranks, "
                             f"but the world has {world}")
     rank = dist.get_rank() if rank is None else rank
-    stage, replica = topology.stage_of(rank), topology.replica_of(rank)
+    position, replica = topology.position_of(rank), topology.replica_of(rank)
     dp_group = pp_group = None
     for s in range(topology.pp):
         g = dist.new_group(topology.dp_group_ranks(s))
-        if s == stage:
+        if s == position:
             dp_group = g
     for r in range(topology.dp):
         g = dist.new_group(topology.pp_group_ranks(r))
@@ -164,12 +164,12 @@ def build_groups(topology: Topology, rank: int | None = None,
     tie_groups: dict[tuple[int, ...], Any] = {}
     made: set[tuple[int, ...]] = set()   # the same on every rank, unlike tie_groups
     for tie in ties:
-        stages = tuple(sorted(set(tie)))
-        if len(stages) < 2 or stages in made:
+        positions = tuple(sorted(set(tie)))
+        if len(positions) < 2 or positions in made:
             continue
-        made.add(stages)
+        made.add(positions)
         for r in range(topology.dp):
-            g = dist.new_group(topology.tie_group_ranks(stages, r))
-            if r == replica and stage in stages:
-                tie_groups[stages] = g
-    return ProcessGroups(topology, rank, stage, replica, dp_group, pp_group, tie_groups)
+            g = dist.new_group(topology.tie_group_ranks(positions, r))
+            if r == replica and position in positions:
+                tie_groups[positions] = g
+    return ProcessGroups(topology, rank, position, replica, dp_group, pp_group, tie_groups)

@@ -238,7 +238,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if records is not None:   # rank 0: every rank's timings of this step
             step_time = max(r.end for rs in records.values() for r in rs)
             # replica 0's ranks stand for their stage (replicas run the same program)
-            breakdown = {topo.stage_of(rk): compute_breakdown(rs, step_time)
+            breakdown = {topo.position_of(rk): compute_breakdown(rs, step_time)
                          for rk, rs in records.items() if topo.replica_of(rk) == 0}
             measured = measured_bubble(records, step_time)
             theory = _theoretical(engine, records)

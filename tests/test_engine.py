@@ -58,7 +58,8 @@ class Masked(nn.Module):
         super().__init__()
         self.lin = nn.Linear(DIM, DIM)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = x   # one argument, as nn.Sequential passes it
         return torch.tanh(self.lin(h)) * mask.unsqueeze(-1).to(h.dtype) + h, mask
 
 
@@ -67,7 +68,8 @@ class Pool(nn.Module):
         super().__init__()
         self.head = nn.Linear(DIM, 1)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, mask = x
         return self.head((h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp(min=1))
 
 
@@ -98,20 +100,14 @@ def reference(model: str, opt: str) -> tuple[list[float], dict[str, torch.Tensor
     losses = []
     for step in range(STEPS):
         x, y = data(step)
-        h: Any = x
-        for layer in layers:
-            h = layer(*h) if isinstance(h, tuple) else layer(h)
-        loss = nn.functional.mse_loss(h, y)
+        loss = nn.functional.mse_loss(net(x), y)
         optim.zero_grad()
         loss.backward()
         optim.step()
         losses.append(loss.item())
     with torch.no_grad():   # evaluation after training, on a batch never trained on
         x, y = data(99)
-        h = x
-        for layer in layers:
-            h = layer(*h) if isinstance(h, tuple) else layer(h)
-        losses.append(nn.functional.mse_loss(h, y).item())
+        losses.append(nn.functional.mse_loss(net(x), y).item())
     return losses, {f"{i}.{k}": v.detach().clone() for i, layer in enumerate(layers)
                     for k, v in layer.state_dict().items()}
 
@@ -127,15 +123,16 @@ def replica_iter(data: Any, step: int, replica: int, dp: int, m: int) -> Iterato
 
 
 def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int, chunks: int = 1,
-               ordered: bool = False) -> dict[str, Any]:
+               wire: str = "strict") -> dict[str, Any]:
     from pipeengine.engine import PipelineEngine
     from pipeengine.topology import Topology
     torch.set_default_dtype(torch.float64)
     build, data = MODELS[model]
     layers = build()
     engine = PipelineEngine(layers, nn.functional.mse_loss, OPTIMIZERS[opt], topology=Topology(pp=pp, dp=dp),
-                            schedule=schedule, microbatches=m, chunks=chunks, timeout=60)
-    engine.p2p.ordered = ordered   # True: the NCCL path (coalesced batches, per-peer order) on Gloo
+                            schedule=schedule, microbatches=m, chunks=chunks, timeout=60,
+                            wire="tags" if wire == "tags" else "strict")
+    engine.wire.coalesce = wire == "coalesced"   # the NCCL path (one batch_isend_irecv per step) on Gloo
     losses, peaks = [], []
     for step in range(STEPS):
         result = engine.train_batch(replica_iter(data, step, engine.replica, dp, m))

@@ -1,73 +1,116 @@
-"""Point-to-point: header codec, paired batches with tuples, shape changes, out-of-order timeouts."""
+"""The wire: header codec, explicit header steps, tuples stay tuples, shape changes, tag space, timeouts."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from pipeengine.p2p import HEADER_LEN, P2P, P2PTimeout, RecvOp, SendOp, TensorMeta, decode_header, encode_header
+from pipeengine.actions import Action, Kind
+from pipeengine.p2p import HEADER_LEN, P2PTimeout, TensorMeta, Wire, decode_header, describe, encode_header
 from tests.harness import run_distributed
 
 
 def test_header_round_trip() -> None:
-    metas = (TensorMeta((4, 16, 8), torch.float32, True), TensorMeta((4, 16), torch.int64, False),
-             TensorMeta((), torch.bfloat16, False))
-    h = encode_header(metas)
-    assert h.shape == (HEADER_LEN,) and h.dtype == torch.int64
-    assert decode_header(h) == metas
+    metas = (TensorMeta((4, 16, 8), torch.float32), TensorMeta((4, 16), torch.int64), TensorMeta((), torch.bfloat16))
+    for packed in (True, False):
+        h = encode_header(packed, metas)
+        assert h.shape == (HEADER_LEN,) and h.dtype == torch.int64
+        assert decode_header(h) == (packed, metas)
+    assert describe(metas) == "float32[4, 16, 8], int64[4, 16], bfloat16[]"
 
 
 def test_header_errors() -> None:
     with pytest.raises(ValueError, match="at most 15 tensors"):
-        encode_header([TensorMeta((1,), torch.float32)] * 16)
+        encode_header(True, [TensorMeta((1,), torch.float32)] * 16)
     with pytest.raises(ValueError, match="header, more than 64"):
-        encode_header([TensorMeta((1,) * 30, torch.float32)] * 3)
+        encode_header(True, [TensorMeta((1,) * 30, torch.float32)] * 3)
     with pytest.raises(TypeError, match="cannot send dtype torch.complex64"):
-        encode_header([TensorMeta((1,), torch.complex64)])
+        encode_header(False, [TensorMeta((1,), torch.complex64)])
+    with pytest.raises(ValueError, match="corrupt header"):
+        decode_header(torch.full((HEADER_LEN,), 7, dtype=torch.int64))
 
 
-def exchange(rank: int, world: int, ordered: bool) -> list[str]:
-    p2p = P2P(torch.device("cpu"), timeout=20, ordered=ordered)
-    assert p2p.ordered is ordered
+def test_tag_space_overflow_is_an_error_not_a_wrap() -> None:
+    with pytest.raises(ValueError, match=r"need tags up to .* beyond Gloo's 16777216; .* 'strict' wire mode"):
+        Wire(torch.device("cpu"), lambda p: p, lambda c: c, 64, 6000, mode="tags", coalesce=False)
+    Wire(torch.device("cpu"), lambda p: p, lambda c: c, 64, 6000, mode="strict", coalesce=False)  # one tag
+
+
+def A(text: str) -> Action:
+    return Action.parse(text)
+
+
+def exchange(rank: int, world: int, mode: str) -> list[str]:
+    wire = Wire(torch.device("cpu"), lambda p: p, lambda c: rank, 2, 4, timeout=20,
+                mode="strict" if mode == "coalesced" else mode, coalesce=mode == "coalesced")
+    wire.log = []
     checks = []
     g = torch.Generator().manual_seed(0)
     act = (torch.randn(4, 16, 8, generator=g), torch.randint(0, 5, (4, 16), generator=g))
     grad = torch.randn(4, 16, 8, generator=g)
-    meta = (TensorMeta((4, 16, 8), torch.float32),)
-    if rank == 0:   # send the activation and receive its gradient in ONE batch
-        batch = p2p.post([SendOp(1, 5, act, True, "sendF0>1"), RecvOp(1, 6, meta, False, "recvB0<1")])
-        got = batch.recvs[0].wait()
-        batch.wait_sends()
-        checks.append(str(torch.equal(got[0], grad)))
+    if rank == 0:   # send the activation (a tuple) and receive its gradient in ONE step
+        wire.put(Kind.F, 0, 0, act)
+        wire.post((A("sendH0>1"),))
+        wire.post((A("sendF0>1"), A("recvB0<1")))
+        (got,) = wire.take(Kind.RECV_B, 0, 0)
+        wire.finish()
+        checks.append(str(torch.equal(got, grad)))
     else:
-        batch = p2p.post([RecvOp(0, 5, None, True, "recvF0<0"), SendOp(0, 6, (grad,), False, "sendB0>0")])
-        x, mask = batch.recvs[0].wait()
-        batch.wait_sends()
-        checks.append(str(torch.equal(x, act[0]) and torch.equal(mask, act[1]) and mask.dtype == torch.int64))
-    for seq in (16, 23):   # shapes change between transfers: each carries a header
+        wire.post((A("recvH0<0"),))
+        wire.post((A("recvF0<0"),))
+        x = wire.take(Kind.RECV_F, 0, 0)
+        checks.append(str(isinstance(x, tuple) and torch.equal(x[0], act[0]) and torch.equal(x[1], act[1])
+                          and x[1].dtype == torch.int64))
+        wire.put(Kind.B, 0, 0, (grad,))
+        wire.post((A("sendB0>0"),))
+        wire.finish()
+    for seq in (16, 23):   # shapes change between steps: each step's stream starts with a header
+        wire.begin_step()
         t = torch.arange(2 * seq, dtype=torch.float64).view(2, seq)
         if rank == 0:
-            p2p.post([SendOp(1, 7 + seq, (t,), True, "s")]).wait_sends()
+            wire.put(Kind.F, 1, 0, t)
+            wire.post((A("sendH1>1"),))
+            wire.post((A("sendF1>1"),))
+            wire.finish()
         else:
-            (r,) = p2p.post([RecvOp(0, 7 + seq, None, True, "r")]).recvs[0].wait()
-            checks.append(str(torch.equal(r, t)))
-    # out of order: rank 1 waits for "microbatch 1", rank 0 only ever sends "microbatch 0"
-    p2p.timeout = 2
-    try:
-        if rank == 0:
-            p2p.post([SendOp(1, 100, (grad,), False, "sendF0>1")])   # not waited: must not hang
-        else:
-            p2p.post([RecvOp(0, 101, meta, False, "recvF1<0 on rank 1")]).recvs[0].wait()
-        checks.append("no timeout")
-    except P2PTimeout as exc:
-        checks.append(str(exc))
+            wire.post((A("recvH1<0"),))
+            wire.post((A("recvF1<0"),))
+            r = wire.take(Kind.RECV_F, 1, 0)
+            checks.append(str(isinstance(r, torch.Tensor) and torch.equal(r, t)))   # a lone tensor stays one
+            wire.finish()
+    checks.append(repr(wire.log))
+    if mode == "tags":   # out of order: rank 1 waits for microbatch 2, rank 0 only ever sends microbatch 3
+        wire.begin_step()
+        wire.timeout = 2
+        try:
+            if rank == 0:
+                wire.put(Kind.F, 3, 0, grad)
+                wire.post((A("sendH3>1"),))
+                wire.post((A("sendF3>1"),))   # not waited: must not hang
+                time.sleep(5)                   # stay alive until rank 1 has timed out
+            else:
+                wire.post((A("recvH3<0"),))
+                wire.post((A("recvF2<0"),))   # posting never waits; taking does
+                wire.take(Kind.RECV_F, 2, 0)
+            checks.append("no timeout")
+        except P2PTimeout as exc:
+            checks.append(str(exc))
     return checks   # no collective after a Gloo timeout: the pair is closed by then
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("ordered", [False, True], ids=["per-op (Gloo)", "coalesced in per-peer order (NCCL)"])
-def test_paired_batch_tuple_shape_change_and_timeout(ordered: bool) -> None:
-    r0, r1 = run_distributed(exchange, 2, ordered, timeout=80)
-    assert r0[0] == "True" and r1[:3] == ["True", "True", "True"]
-    assert r1[3].startswith("recvF1<0 on rank 1: no completion after 2 s with peer rank 0"), r1[3]
-    assert "did not post the matching op" in r1[3]
+@pytest.mark.parametrize("mode", ["tags", "strict", "coalesced"])
+def test_header_steps_tuples_shape_change_and_posted_ops(mode: str) -> None:
+    r0, r1 = run_distributed(exchange, 2, mode, timeout=80)
+    assert r0[0] == "True" and r1[:3] == ["True", "True", "True"], (r0, r1)
+    log0 = eval(r0[1])   # noqa: S307 - our own repr of (action, send|recv, peer, tag) tuples
+    # exactly the posted actions, in program order, one op per tensor; tags per transfer only in tags mode
+    assert [(a, d) for a, d, _, _ in log0] == [("sendH0>1", "send"), ("sendF0>1", "send"), ("sendF0>1", "send"),
+                                               ("recvB0<1", "recv"), ("sendH1>1", "send"), ("sendF1>1", "send"),
+                                               ("sendH1>1", "send"), ("sendF1>1", "send")]
+    tags = {t for _, _, _, t in log0}
+    assert (tags == {0}) == (mode != "tags"), tags
+    if mode == "tags":
+        assert r1[4].startswith("recvF2<0 on rank 1: no completion after 2 s with peer rank 0"), r1[4]

@@ -43,8 +43,8 @@ def test_interleaved_golden_pp2_m2_v2() -> None:
 def test_lowered_1f1b_pp2_m2_is_paired_and_batched() -> None:
     s = compile_schedule("1f1b", 2, 2)
     assert format_schedule(s).splitlines()[1:] == [
-        "F0 sendF0>1 F1 sendF1>1+recvB0<1 B0 recvB1<1 B1",
-        "recvF0<0 F0 recvF1<0 B0 sendB0>0 F1 B1 sendB1>0",
+        "F0 sendH0>1 sendF0>1 F1 sendF1>1+recvB0<1 B0 recvB1<1 B1",
+        "recvH0<0 recvF0<0 F0 recvF1<0 B0 sendB0>0 F1 B1 sendB1>0",
     ]
 
 
@@ -180,32 +180,32 @@ def test_missing_microbatch_is_rejected() -> None:
 def test_link_order_mismatch_is_rejected() -> None:
     good = format_schedule(compile_schedule("1f1b", 2, 2)).splitlines()
     # rank 0 posts the send of microbatch 1 before that of microbatch 0 -> order differs on the link
-    bad = good[1].replace("F0 sendF0>1 F1 sendF1>1+recvB0<1", "F0 F1 sendF1>1 sendF0>1+recvB0<1")
+    bad = good[1].replace("F0 sendH0>1 sendF0>1 F1 sendF1>1+recvB0<1", "F0 F1 sendH1>1 sendF1>1 sendF0>1+recvB0<1")
     s = parse_schedule("\n".join([bad, good[2]]))
-    with pytest.raises(ScheduleError, match=r"link \(0, 1\) is not in paired order: op 0 is sendF1>1 on rank 0 "
-                                            r"but recvF0<0 on rank 1"):
+    with pytest.raises(ScheduleError, match=r"link \(0, 1\) is not in paired order: op 0 is sendH1>1 on rank 0 "
+                                            r"but recvH0<0 on rank 1"):
         validate(s)
 
 
 def test_two_ranks_blocking_on_sends_is_a_deadlock_cycle() -> None:
     # rank 0 sends F1 before receiving B0, rank 1 sends B0 before receiving F1: each blocks on a
     # send to the other.
-    dead = parse_schedule("F0 sendF0>1 F1 sendF1>1 recvB0<1 B0 recvB1<1 B1\n"
-                          "recvF0<0 F0 B0 sendB0>0 recvF1<0 F1 B1 sendB1>0")
-    with pytest.raises(ScheduleError, match=r"link \(0, 1\) is not in paired order: op 1 is sendF1>1"):
+    dead = parse_schedule("F0 sendH0>1 sendF0>1 F1 sendF1>1 recvB0<1 B0 recvB1<1 B1\n"
+                          "recvH0<0 recvF0<0 F0 B0 sendB0>0 recvF1<0 F1 B1 sendB1>0")
+    with pytest.raises(ScheduleError, match=r"link \(0, 1\) is not in paired order: op 2 is sendF1>1"):
         validate(dead)  # the static pairing check sees it first
     with pytest.raises(DeadlockError) as exc:
         simulate(dead, Costs(), mode="rendezvous")
     assert exc.value.cycle == [0, 1]
     msg = str(exc.value)
     assert "deadlock: 0 -> 1 -> 0" in msg
-    assert "rank 0 blocked at step 3 (sendF1>1) waiting for rank 1 to post recvF1<0" in msg
-    assert "rank 1 blocked at step 3 (sendB0>0) waiting for rank 0 to post recvB0<1" in msg
+    assert "rank 0 blocked at step 4 (sendF1>1) waiting for rank 1 to post recvF1<0" in msg
+    assert "rank 1 blocked at step 4 (sendB0>0) waiting for rank 0 to post recvB0<1" in msg
     assert ">>sendF1>1<<" in msg and ">>sendB0>0<<" in msg
     with pytest.raises(DeadlockError) as exc2:  # one in-order comm queue per rank deadlocks too
         simulate(dead, Costs())
     assert exc2.value.cycle == [0, 1]
-    assert "rank 0's comm queue is stuck at step 3 (sendF1>1)" in str(exc2.value)
+    assert "rank 0's comm queue is stuck at step 4 (sendF1>1)" in str(exc2.value)
 
 
 def test_async_and_rendezvous_agree_without_waiting() -> None:

@@ -16,12 +16,12 @@ def test_rank_math_round_trips_and_groups_partition_the_world(order: str) -> Non
         for dp in range(1, 5):
             t = Topology(pp, dp, order)
             world = list(range(t.world_size))
-            assert sorted(t.rank(t.stage_of(r), t.replica_of(r)) for r in world) == world
+            assert sorted(t.rank(t.position_of(r), t.replica_of(r)) for r in world) == world
             assert sorted(r for s in range(pp) for r in t.dp_group_ranks(s)) == world
             assert sorted(r for d in range(dp) for r in t.pp_group_ranks(d)) == world
             for r in world:
                 nxt = t.next_rank(r)
-                assert (nxt is None) == t.is_last_stage(r)
+                assert (nxt is None) == t.is_last_position(r)
                 if nxt is not None:
                     assert t.prev_rank(nxt) == r and t.replica_of(nxt) == t.replica_of(r)
 
@@ -35,9 +35,9 @@ def test_stage_major_dp_groups_are_contiguous() -> None:
 
 def test_describe() -> None:
     assert Topology(2, 2).describe() == ("pp=2 x dp=2 = 4 ranks (stage-major)\n"
-                                         "          r0 r1\n"
-                                         "stage 0    0  1\n"
-                                         "stage 1    2  3")
+                                         "             r0 r1\n"
+                                         "position 0    0  1\n"
+                                         "position 1    2  3")
 
 
 @pytest.mark.parametrize("call,match", [
@@ -45,8 +45,8 @@ def test_describe() -> None:
     (lambda: Topology.from_world(8, pp=2, dp=2), r"pp=2 x dp=2 = 4 ranks, but the world has 8"),
     (lambda: Topology(0, 1), r"pp must be an integer >= 1 \(got 0\)"),
     (lambda: Topology(2, 1, "diagonal"), r"order must be one of"),
-    (lambda: Topology(2, 2).rank(2, 0), r"stage 2 is outside 0..1"),
-    (lambda: Topology(2, 2).stage_of(4), r"rank 4 is outside 0..3"),
+    (lambda: Topology(2, 2).rank(2, 0), r"position 2 is outside 0..1"),
+    (lambda: Topology(2, 2).position_of(4), r"rank 4 is outside 0..3"),
 ])
 def test_errors_name_the_numbers(call, match: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(TopologyError, match=match):
@@ -74,6 +74,6 @@ def test_build_groups_reduces_inside_the_right_ranks() -> None:
     results = run_distributed(sums, 4, timeout=50)
     t = Topology(2, 2)
     for r, (dp_sum, pp_sum, tie_sum) in enumerate(results):
-        assert dp_sum == sum(t.dp_group_ranks(t.stage_of(r)))
+        assert dp_sum == sum(t.dp_group_ranks(t.position_of(r)))
         assert pp_sum == sum(t.pp_group_ranks(t.replica_of(r)))
         assert tie_sum == pp_sum  # the tie spans both stages of this replica

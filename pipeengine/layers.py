@@ -1,0 +1,87 @@
+"""Layer lists given as modules or factories: per-layer deterministic construction, sizing on meta, ties.
+
+[Note: per-stage construction]
+A model too big for one device is given as *layer factories*: zero-argument callables that each
+build one layer. A rank calls only the factories of its own stages, each under its own RNG seed
+``layer_seed(seed, i)`` (forked, so the caller's RNG is untouched), so layer ``i`` gets the same
+weights whatever pp, dp, chunks or partition, and :func:`build_layers` gives the single-process
+model with exactly those weights. Partitioning by parameter count needs every layer's size: the
+factories are run on the ``meta`` device for that, which allocates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import torch
+from torch import nn
+
+__all__ = ["LayerSpec", "layer_seed", "build_layer", "build_layers", "sizing_layers", "share_tied"]
+
+LayerSpec = Union[nn.Module, Callable[[], nn.Module]]
+"""One entry of a model's layer list: a built module, or a zero-argument factory building it."""
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The RNG seed layer ``index`` is built under."""
+    return (seed * 1_000_003 + index) % (2**63)
+
+
+def _is_factories(specs: Sequence[LayerSpec]) -> bool:
+    kinds = {isinstance(s, nn.Module) for s in specs}
+    if len(kinds) > 1:
+        i = next(i for i, s in enumerate(specs) if isinstance(s, nn.Module) != isinstance(specs[0], nn.Module))
+        raise TypeError(f"the layer list mixes modules and factories (entry 0 is {type(specs[0]).__name__}, "
+                        f"entry {i} is {type(specs[i]).__name__}); give all modules or all factories")
+    bad = [i for i, s in enumerate(specs) if not isinstance(s, nn.Module) and not callable(s)]
+    if bad:
+        raise TypeError(f"layer {bad[0]} is a {type(specs[bad[0]]).__name__}: each entry must be an nn.Module "
+                        f"or a zero-argument callable returning one")
+    return kinds == {False}
+
+
+def build_layer(spec: LayerSpec, index: int, seed: int) -> nn.Module:
+    """Layer ``index`` of a list: the module itself, or the factory's module built under ``layer_seed``."""
+    if isinstance(spec, nn.Module):
+        return spec
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, index))
+        module = spec()
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"the factory of layer {index} returned {type(module).__name__}, not an nn.Module")
+    return module
+
+
+def build_layers(specs: Sequence[LayerSpec], seed: int = 0) -> list[nn.Module]:
+    """Every layer, built as the engine builds each one: the single-process model of a factory list."""
+    _is_factories(specs)
+    return [build_layer(s, i, seed) for i, s in enumerate(specs)]
+
+
+def sizing_layers(specs: Sequence[LayerSpec]) -> list[nn.Module]:
+    """Modules to measure (parameter counts): the modules themselves, or each factory's on ``meta``."""
+    if not _is_factories(specs):
+        return list(specs)  # type: ignore[arg-type]
+    with torch.device("meta"):
+        return [build_layer(s, i, 0) for i, s in enumerate(specs)]
+
+
+def share_tied(layers: dict[int, nn.Module], tie: Sequence[tuple[int, str]]) -> list[nn.Parameter]:
+    """Make the copies of one tied parameter held in ``layers`` one Parameter object; return it (or [])
+
+    The first entry of ``tie`` present here wins. Sharing the object is what ``nn.Sequential`` with
+    tied weights does: autograd sums the gradients and the optimizer sees one parameter.
+    """
+    local = [(i, name) for i, name in tie if i in layers]
+    if not local:
+        return []
+    first = layers[local[0][0]].get_parameter(local[0][1])
+    for i, name in local[1:]:
+        owner_path, _, pname = name.rpartition(".")
+        owner = layers[i].get_submodule(owner_path) if owner_path else layers[i]
+        old = owner.get_parameter(pname)
+        if old.shape != first.shape or old.dtype != first.dtype:
+            raise ValueError(f"tied parameters differ: layer {local[0][0]} {local[0][1]} is {tuple(first.shape)} "
+                             f"{first.dtype}, layer {i} {name} is {tuple(old.shape)} {old.dtype}")
+        setattr(owner, pname, first)
+    return [first]
