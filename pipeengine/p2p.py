@@ -154,7 +154,7 @@ class Wire:
         self.mode = mode
         self.coalesce = coalesce
         self.group = group
-        self.log: list[tuple[str, str, int, int]] | None = None   # (action, send|recv, peer, tag) when set
+        self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self._group_rank: dict[int, int] = {}
         self.begin_step()
@@ -247,8 +247,8 @@ class Wire:
 
     def _issue(self, ops: list[tuple[_Transfer, torch.Tensor, int]]) -> None:
         if self.log is not None:
-            self.log += [(str(tr.action), "send" if tr.action.kind.is_send else "recv", tr.peer, tag)
-                         for tr, _, tag in ops]
+            self.log += [(str(tr.action), "send" if tr.action.kind.is_send else "recv", tr.peer, tag,
+                          t.numel() * t.element_size()) for tr, t, tag in ops]
         if not ops:
             return
         if self.coalesce:
