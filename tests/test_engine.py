@@ -303,8 +303,8 @@ WORLD4: list[tuple[Any, ...]] = [
     *[("mlp", opt, sched, pp, dp, m) for (pp, dp, m) in ((4, 1, 8), (2, 2, 4))
       for opt in ("sgd", "adam") for sched in ("gpipe", "1f1b")],
     ("mlp", "adam", "zb-h1", 4, 1, 8), ("factories", "adam", "zb-h1", 4, 1, 8),
-    ("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, {"chunks": 2}), ("tuple", "adam", "interleaved-1f1b", 4, 1, 4,
-                                                                {"chunks": 2}),
+    ("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, {"chunks": 2}),
+    ("tuple", "adam", "interleaved-1f1b", 4, 1, 4, {"chunks": 2}),
     ("mlp", "sgd", "1f1b", 4, 1, 8, {"wire": "tags"}),
 ]
 

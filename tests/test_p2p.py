@@ -107,9 +107,9 @@ def test_header_steps_tuples_shape_change_and_posted_ops(mode: str) -> None:
     assert r0[0] == "True" and r1[:3] == ["True", "True", "True"], (r0, r1)
     log0 = eval(r0[1])   # noqa: S307 - our own repr of (action, send|recv, peer, tag, bytes) tuples
     # exactly the posted actions, in program order, one op per tensor; tags per transfer only in tags mode
-    assert [(a, d) for a, d, _, _, _ in log0] == [("sendH0>1", "send"), ("sendF0>1", "send"), ("sendF0>1", "send"),
-                                               ("recvB0<1", "recv"), ("sendH1>1", "send"), ("sendF1>1", "send"),
-                                               ("sendH1>1", "send"), ("sendF1>1", "send")]
+    assert [(a, d) for a, d, _, _, _ in log0] == [
+        ("sendH0>1", "send"), ("sendF0>1", "send"), ("sendF0>1", "send"), ("recvB0<1", "recv"),
+        ("sendH1>1", "send"), ("sendF1>1", "send"), ("sendH1>1", "send"), ("sendF1>1", "send")]
     tags = {t for _, _, _, t, _ in log0}
     assert [n for a, _, _, _, n in log0 if a == "sendF0>1"] == [4 * 16 * 8 * 4, 4 * 16 * 8]
     assert (tags == {0}) == (mode != "tags"), tags
