@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from .data import ByteCorpus
 
-__all__ = ["Config", "presets", "build", "loss_fn", "tied_parameters", "make_source"]
+__all__ = ["Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
 
 
 @dataclass
@@ -92,28 +92,42 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def build(cfg: Config) -> list[nn.Module]:
-    """[Embedding, Block x n_layer, Head]; head.lm_head.weight IS embedding.wte.weight."""
-    emb, head = Embedding(cfg), Head(cfg)
-    blocks = [Block(cfg) for _ in range(cfg.n_layer)]
-    for module in [emb, *blocks, head]:
-        for name, p in module.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() >= 2:
-                # GPT-2 init; residual projections scaled by 1/sqrt(2 n_layer)
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-    head.lm_head.weight = emb.wte.weight
-    return [emb, *blocks, head]
+def _init(module: nn.Module, n_layer: int) -> nn.Module:
+    """GPT-2 init: normal(0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+    return module
+
+
+def layer_factories(cfg: Config) -> list[Callable[[], nn.Module]]:
+    """[Embedding, Block x n_layer, Head], each built and initialised on its own (see pipeengine.layers).
+
+    The head's weight is tied to the embedding's (``tied_parameters``); the engine makes them one.
+    """
+    return ([lambda: _init(Embedding(cfg), cfg.n_layer)]
+            + [lambda: _init(Block(cfg), cfg.n_layer) for _ in range(cfg.n_layer)]
+            + [lambda: _init(Head(cfg), cfg.n_layer)])
+
+
+def build(cfg: Config, seed: int = 0) -> list[nn.Module]:
+    """The single-process model: the factories' layers with head.lm_head.weight IS embedding.wte.weight."""
+    from pipeengine.layers import build_layers
+    layers = build_layers(layer_factories(cfg), seed)
+    layers[-1].lm_head.weight = layers[0].wte.weight   # type: ignore[union-attr]
+    return layers
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def tied_parameters(layers: list[nn.Module]) -> list[list[tuple[int, str]]]:
-    return [[(0, "wte.weight"), (len(layers) - 1, "lm_head.weight")]]
+def tied_parameters(num_layers: int) -> list[list[tuple[int, str]]]:
+    """The LM head's weight is the token embedding's (the embedding's value wins at the start)."""
+    return [[(0, "wte.weight"), (num_layers - 1, "lm_head.weight")]]
 
 
 def make_source(cfg: Config, data_path: str | None) -> ByteCorpus:

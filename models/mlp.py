@@ -10,7 +10,7 @@ from torch import nn
 
 from .data import SyntheticRegression
 
-__all__ = ["Config", "presets", "build", "loss_fn", "tied_parameters", "make_source"]
+__all__ = ["Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
 
 
 @dataclass
@@ -41,17 +41,23 @@ class Block(nn.Module):
         return x + torch.nn.functional.gelu(self.fc(self.norm(x)))
 
 
-def build(cfg: Config) -> list[nn.Module]:
-    """Input projection, ``depth`` residual blocks, output head: depth + 2 layers."""
-    return [nn.Linear(cfg.in_dim, cfg.hidden)] + [Block(cfg.hidden) for _ in range(cfg.depth)] + [
-        nn.Sequential(nn.LayerNorm(cfg.hidden), nn.Linear(cfg.hidden, cfg.out_dim))]
+def layer_factories(cfg: Config) -> list[Callable[[], nn.Module]]:
+    """Input projection, ``depth`` residual blocks, output head: depth + 2 layers, each built on its own."""
+    return ([lambda: nn.Linear(cfg.in_dim, cfg.hidden)] + [lambda: Block(cfg.hidden) for _ in range(cfg.depth)]
+            + [lambda: nn.Sequential(nn.LayerNorm(cfg.hidden), nn.Linear(cfg.hidden, cfg.out_dim))])
+
+
+def build(cfg: Config, seed: int = 0) -> list[nn.Module]:
+    """The single-process model, with the weights the engine builds for the same seed."""
+    from pipeengine.layers import build_layers
+    return build_layers(layer_factories(cfg), seed)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def tied_parameters(layers: list[nn.Module]) -> list[list[tuple[int, str]]]:
+def tied_parameters(num_layers: int) -> list[list[tuple[int, str]]]:
     return []
 
 

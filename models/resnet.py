@@ -8,6 +8,7 @@ computed per microbatch, so pipelined BatchNorm training is not bit-equal to one
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from .data import ImageSource
 
-__all__ = ["Config", "presets", "build", "flatten", "loss_fn", "tied_parameters", "make_source"]
+__all__ = ["Config", "presets", "layer_factories", "build", "flatten", "loss_fn", "tied_parameters", "make_source"]
 
 
 @dataclass
@@ -49,19 +50,53 @@ def flatten(model: Any) -> list[nn.Module]:
     return [stem, *blocks, head]
 
 
-def build(cfg: Config) -> list[nn.Module]:
+def _torchvision(cfg: Config) -> Any:
     import torchvision
     kw: dict[str, Any] = {"weights": None, "num_classes": cfg.num_classes}
     if cfg.norm == "group":
         kw["norm_layer"] = lambda c: nn.GroupNorm(32, c)
-    return flatten(getattr(torchvision.models, cfg.arch)(**kw))
+    return getattr(torchvision.models, cfg.arch)(**kw)
+
+
+def _init(module: nn.Module) -> nn.Module:
+    """torchvision's ResNet init for one block: He-normal convs, unit norms, default Linear."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+            if isinstance(m, nn.BatchNorm2d):
+                m.reset_running_stats()
+        elif isinstance(m, nn.Linear):
+            m.reset_parameters()
+    return module
+
+
+def _block(cfg: Config, index: int) -> nn.Module:
+    """Block ``index`` alone: the network is laid out on ``meta`` (no memory), the block materialised."""
+    with torch.device("meta"):
+        block = flatten(_torchvision(cfg))[index]
+    return _init(block.to_empty(device="cpu"))
+
+
+def layer_factories(cfg: Config) -> list[Callable[[], nn.Module]]:
+    """One factory per flattened layer (10 for resnet18, 18 for resnet50), each building only its block."""
+    n = 10 if cfg.arch == "resnet18" else 18
+    return [functools.partial(_block, cfg, i) for i in range(n)]
+
+
+def build(cfg: Config, seed: int = 0) -> list[nn.Module]:
+    """The single-process model, with the weights the engine builds for the same seed."""
+    from pipeengine.layers import build_layers
+    return build_layers(layer_factories(cfg), seed)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output, target)
 
 
-def tied_parameters(layers: list[nn.Module]) -> list[list[tuple[int, str]]]:
+def tied_parameters(num_layers: int) -> list[list[tuple[int, str]]]:
     return []
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .engine import PipelineEngine, StepResult
 from .metrics import MetricsWriter, chrome_trace, compute_breakdown, gather_records, measured_bubble
 from .schedule import SCHEDULES, Costs, simulate, theoretical_bubble
+from .stage import parse_checkpoint
 from .topology import Topology
 
 __all__ = ["TrainConfig", "parse_args", "main"]
@@ -41,7 +42,7 @@ class TrainConfig:
     pp: int | None = None         #: pipeline stages (physical ranks per pipeline); default: all ranks
     dp: int | None = None         #: data-parallel replicas; default: world size / pp
     schedule: str = "1f1b"        #: gpipe, 1f1b, interleaved-1f1b or zb-h1
-    chunks: int = 1               #: model chunks per rank (interleaved-1f1b)
+    chunks: int = 0               #: model chunks per rank; 0: 2 for interleaved-1f1b, else 1
     microbatches: int = 4         #: microbatches per step per replica
     micro_batch_size: int = 4     #: examples per microbatch
     global_batch: int | None = None  #: if set, micro_batch_size = global_batch / (dp * microbatches)
@@ -62,6 +63,8 @@ class TrainConfig:
     device: str = "auto"          #: auto, cpu or cuda
     backend: str = "auto"         #: auto, gloo or nccl
     timeout: float = 300.0        #: seconds any wait may take before the rank reports what it was stuck on
+    checkpoint: str = "none"      #: activation checkpointing per chunk: none, full or every:K (layers per region)
+    precision: str = "fp32"       #: fp32, bf16 (autocast, bf16 between stages) or fp16 (CUDA, loss scaling)
 
     def check(self, world_size: int) -> Topology:
         if self.model not in MODELS:
@@ -69,6 +72,14 @@ class TrainConfig:
         if self.schedule not in SCHEDULES or self.schedule == "forward":
             raise ValueError(f"--schedule {self.schedule!r} is not a training schedule; choose "
                              f"{', '.join(s for s in SCHEDULES if s != 'forward')}")
+        if self.chunks == 0:
+            self.chunks = 2 if self.schedule == "interleaved-1f1b" else 1
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"--precision {self.precision!r} is not one of fp32, bf16, fp16")
+        try:
+            parse_checkpoint(self.checkpoint)
+        except ValueError as exc:
+            raise ValueError(f"--checkpoint: {exc}") from None
         for name in ("microbatches", "micro_batch_size", "steps", "chunks", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
@@ -108,7 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: all processes)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / pp)")
     p.add_argument("--schedule", default=d.schedule, help="gpipe, 1f1b, interleaved-1f1b or zb-h1 (default 1f1b)")
-    p.add_argument("--chunks", type=int, default=d.chunks, help="model chunks per rank for interleaved-1f1b")
+    p.add_argument("--chunks", type=int, default=d.chunks,
+                   help="model chunks per rank (default: 2 for interleaved-1f1b, else 1)")
     p.add_argument("--microbatches", "-m", type=int, default=d.microbatches, help="microbatches per step per replica")
     p.add_argument("--micro-batch-size", "-b", type=int, default=d.micro_batch_size, help="examples per microbatch")
     p.add_argument("--global-batch", type=int, default=None,
@@ -132,6 +144,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     p.add_argument("--backend", default=d.backend, choices=("auto", "gloo", "nccl"))
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds before a stuck wait is reported")
+    p.add_argument("--checkpoint", default=d.checkpoint, metavar="none|full|every:K",
+                   help="activation checkpointing per chunk: recompute its layers (full) or every K layers in B "
+                        "instead of keeping their activations (default none)")
+    p.add_argument("--precision", default=d.precision, choices=("fp32", "bf16", "fp16"),
+                   help="bf16: autocast, activations between stages in bf16, fp32 parameters, gradients and "
+                        "optimizer state; fp16: the same with a dynamic loss scale, CUDA only (default fp32)")
     a = p.parse_args(argv)
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
@@ -171,10 +189,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             raise ValueError(f"--preset {cfg.preset!r} is not a {cfg.model} preset; choose {', '.join(presets)}")
         mcfg = presets[cfg.preset]()
         torch.manual_seed(cfg.seed)
-        layers = mod.build(mcfg)
+        factories = mod.layer_factories(mcfg)   # each rank builds only its own stages' layers
         stages = topo.pp * cfg.chunks
-        if len(layers) < stages:
-            raise ValueError(f"{cfg.model} ({cfg.preset}) has {len(layers)} layers but pp={topo.pp} x chunks="
+        if len(factories) < stages:
+            raise ValueError(f"{cfg.model} ({cfg.preset}) has {len(factories)} layers but pp={topo.pp} x chunks="
                              f"{cfg.chunks} needs {stages} stages; use fewer stages or a deeper preset")
         source = mod.make_source(mcfg, cfg.data)
         from models.data import batches
@@ -186,10 +204,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 kw["momentum"] = 0.9
             return opt_cls(ps, **kw)
 
-        engine = PipelineEngine(layers, mod.loss_fn, make_opt, topology=topo, schedule=cfg.schedule,
-                                microbatches=cfg.microbatches, chunks=cfg.chunks,
-                                tied=mod.tied_parameters(layers), device=device, timeout=cfg.timeout,
-                                grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None)
+        engine = PipelineEngine(factories, mod.loss_fn, make_opt, topology=topo, schedule=cfg.schedule,
+                                microbatches=cfg.microbatches, chunks=cfg.chunks, seed=cfg.seed,
+                                tied=mod.tied_parameters(len(factories)), device=device, timeout=cfg.timeout,
+                                grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
+                                checkpoint=cfg.checkpoint, precision=cfg.precision)
+        del factories
     except ValueError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
@@ -201,7 +221,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     writer = MetricsWriter(os.path.join(cfg.log_dir, run_name), enabled=rank == 0)
     if rank == 0:
         print(topo.describe())
-        print(f"model {cfg.model}/{cfg.preset}: {len(layers)} layers, stage bounds {engine.bounds}; schedule "
+        print(f"model {cfg.model}/{cfg.preset}: {engine.num_layers} layers, stage bounds {engine.bounds}; schedule "
               f"{cfg.schedule}, {cfg.microbatches} microbatches x {cfg.micro_batch_size} per replica, global batch "
               f"{global_batch}; logs in {os.path.join(cfg.log_dir, run_name)}")
     is_tty = sys.stdout.isatty()

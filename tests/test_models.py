@@ -34,7 +34,7 @@ def test_gpt_is_causal_and_tied() -> None:
     layers = gpt.build(cfg)
     assert len(layers) == cfg.n_layer + 2
     assert layers[-1].lm_head.weight is layers[0].wte.weight
-    (a, _), (b, _) = gpt.tied_parameters(layers)[0]
+    (a, _), (b, _) = gpt.tied_parameters(len(layers))[0]
     assert layers[a].get_parameter("wte.weight") is layers[b].get_parameter("lm_head.weight")
     x = torch.randint(0, 256, (1, 16))
     y = x.clone()
@@ -43,6 +43,24 @@ def test_gpt_is_causal_and_tied() -> None:
     assert out_x.shape == (1, 16, 256)
     torch.testing.assert_close(out_x[:, :10], out_y[:, :10])
     assert not torch.allclose(out_x[:, 10:], out_y[:, 10:])
+
+
+@pytest.mark.parametrize("mod,cfg", [(gpt, gpt.Config(n_layer=3)), (mlp, mlp.Config(depth=3)),
+                                     (resnet, resnet.Config())])
+def test_layer_i_gets_the_same_weights_alone_and_in_the_whole_model(mod, cfg) -> None:  # type: ignore[no-untyped-def]
+    from pipeengine.layers import build_layer
+    factories = mod.layer_factories(cfg)
+    whole = mod.build(cfg, seed=7)
+    for i in (1, len(factories) - 2):
+        alone = build_layer(factories[i], i, seed=7)   # what a rank holding only layer i builds
+        assert all(torch.equal(a, b) for a, b in zip(alone.state_dict().values(), whole[i].state_dict().values()))
+        other = build_layer(factories[i], i, seed=8)
+        assert not all(torch.equal(a, b) for a, b in zip(other.parameters(), whole[i].parameters()))
+    if mod is resnet:   # torchvision's init: He-normal convs, unit BatchNorm
+        conv = whole[1].conv1.weight
+        fan_out = conv.shape[0] * conv.shape[2] * conv.shape[3]
+        assert abs(conv.std().item() - (2 / fan_out) ** 0.5) < 0.2 * (2 / fan_out) ** 0.5
+        assert torch.equal(whole[1].bn1.weight, torch.ones_like(whole[1].bn1.weight))
 
 
 def test_global_batches_are_deterministic_and_shard_exactly() -> None:

@@ -78,15 +78,14 @@ def gpt_run(rank: int, world: int) -> dict[str, Any]:
     from pipeengine.topology import Topology
     torch.set_default_dtype(torch.float64)
     cfg = gpt.presets()["tiny"]()
-    torch.manual_seed(0)
-    layers = gpt.build(cfg)
-    engine = PipelineEngine(layers, gpt.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                            topology=Topology(2, 1), schedule="1f1b", microbatches=2,
-                            tied=gpt.tied_parameters(layers), grad_clip=1.0)
+    engine = PipelineEngine(gpt.layer_factories(cfg), gpt.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                            topology=Topology(2, 1), schedule="1f1b", microbatches=2, seed=3,
+                            tied=gpt.tied_parameters(cfg.n_layer + 2), grad_clip=1.0)
     losses = []
     for step in range(4):
         x, y = gpt_batch(step)
         losses.append(engine.train_batch(iter([(x[:2], y[:2]), (x[2:], y[2:])])).loss)
+    layers = engine.chunks[0].module.layers
     tied = layers[0].wte.weight if engine.position == 0 else layers[-1].lm_head.weight
     return {"losses": losses, "tied": tied.detach().clone()}
 
@@ -104,8 +103,7 @@ def test_tied_embedding_stays_bit_identical_and_matches_single_process() -> None
     from models import gpt
     torch.set_default_dtype(torch.float64)
     try:
-        torch.manual_seed(0)
-        layers = gpt.build(gpt.presets()["tiny"]())
+        layers = gpt.build(gpt.presets()["tiny"](), seed=3)
         net = nn.Sequential(*layers)
         assert layers[-1].lm_head.weight is layers[0].wte.weight
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
