@@ -60,8 +60,8 @@ class GradSync:
         if not self._pending:
             self.start()
         for bucket, flat, work in self._pending:
-            try:
-                work.wait(timeout=timedelta(seconds=self.timeout))
+            try:   # on CUDA the stream waits, not the host; NCCL's watchdog enforces the group's timeout
+                work.wait() if flat.is_cuda else work.wait(timeout=timedelta(seconds=self.timeout))
             except RuntimeError as exc:
                 raise TimeoutError(f"data-parallel gradient all-reduce did not finish within {self.timeout:.0f} s "
                                    f"(a replica of this stage is stuck or died): {exc}") from exc

@@ -1,33 +1,29 @@
 """The wire between pipeline stages: a step's comm actions as paired isend/irecv, shape headers, tags, buffers.
 
 [Note: the wire is the program]
-Every transfer a rank makes is one comm action of its validated program, posted in program
-order, one step at a time; nothing else goes on the wire. A forward stream (the activations one
-stage sends to the next during one train or eval step) starts with an explicit header action
-``sendH``/``recvH``, which the lowering places in a step of its own before the stream's first
-payload (see simulate.py). The receiver completes a header step before it goes on, exactly as
-the validator's rendezvous semantics assume of every step, so when it posts a payload receive it
-already knows the shapes: ``post()`` never waits on data and no receive is deferred. Gradients
-need no header: they have the shapes of the floating-point activations this rank sent.
-
-Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``.
-``packed`` says whether the stage returned a tuple (kept a tuple on the other side, as in
-``nn.Sequential``) or a lone tensor.
+Every transfer is one comm action of the rank's validated program, posted in program order, one
+step at a time; nothing else goes on the wire. A forward stream (what one stage sends the next
+in one train or eval step) starts with an explicit header action ``sendH``/``recvH`` that the
+lowering puts in a step of its own before the stream's first payload (simulate.py). A header
+step completes before the rank goes on, as the validator's rendezvous semantics assume of every
+step, so a payload receive is posted with known shapes: ``post()`` never waits on data and no
+receive is deferred. Gradients need no header: they have the shapes of what this rank sent.
+Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``;
+``packed``: the stage returned a tuple (a tuple again on the other side, as in ``nn.Sequential``).
 
 [Note: modes]
-``tags`` (Gloo default): each transfer has its own tag, ``16 * t + i`` for tensor ``i`` of
-transfer ``t = 3 * (microbatch * stages + producer stage) + direction``; Gloo matches by (peer,
-tag), so the ops of a step are started and left running. ``strict`` (NCCL semantics on Gloo,
-used by the tests): one tag for every transfer between a pair, so Gloo matches by per-peer order
-as NCCL does, and every op of a comm step completes before the rank posts its next comm step, as
-on NCCL's single in-order stream. On NCCL (``coalesce``) a step is one ``batch_isend_irecv`` and
-waits make the compute stream wait instead of the host; the process group's own timeout and
-watchdog catch hangs there.
+``tags`` (Gloo default): tensor ``i`` of transfer ``t = 3 * (microbatch * stages + producer) +
+direction`` has tag ``16 t + i``; Gloo matches by (peer, tag), so a step's ops are started and
+left running. ``strict`` (NCCL semantics on Gloo, used by the tests): one tag between a pair, so
+Gloo matches by per-peer order as NCCL does, and a comm step's ops complete before the next comm
+step is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is one
+``batch_isend_irecv`` and waits make the compute stream wait, not the host; the process group's
+own timeout and watchdog catch hangs there.
 
 [Note: buffer lifetimes]
-A sent tensor is held only until its send completed (``poll()`` after every action releases
-finished sends; the stage has already dropped everything but the autograd node, see stage.py);
-a received buffer is handed over by ``take()`` and lives as long as the stage needs it.
+A sent tensor is held until its send completed (``poll()`` after every action releases finished
+sends; the stage kept only the autograd node, see stage.py); a received buffer is handed over by
+``take()`` and lives as long as the stage needs it.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ import torch.distributed as dist
 
 from .actions import Action, Kind, Step
 
-__all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "HEADER_LEN",
-           "MAX_TAG", "MODES"]
+__all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "flatten", "MAX_TAG"]
 
 HEADER_LEN = 64
 MAX_TAG = 2**24
@@ -109,9 +104,9 @@ def flatten(value: Any) -> tuple[bool, Tensors]:
         return False, (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
         return True, tuple(value)
-    raise TypeError(f"a stage may only pass a Tensor or a tuple of Tensors to the next stage, got "
-                    f"{type(value).__name__}"
-                    f"{'' if not isinstance(value, (tuple, list)) else [type(t).__name__ for t in value]}")
+    inner = [type(t).__name__ for t in value] if isinstance(value, (tuple, list)) else ""
+    raise TypeError(f"a stage may only pass a Tensor or a tuple of Tensors to the next stage, got {type(value).__name__}"
+                    f"{inner}")
 
 
 @dataclass
@@ -165,7 +160,6 @@ class Wire:
         """Forget the previous step's streams (shapes may change between steps, not within one)."""
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
-        self._headers: list[tuple[_Transfer, int]] = []                          # received, not yet decoded
         self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
         self._streams: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}      # producer stage -> agreed
         self._sends: list[_Transfer] = []
@@ -177,11 +171,13 @@ class Wire:
 
     # ------------------------------------------------------------------ posting
 
-    def _tag(self, direction: int, mb: int, producer: int) -> int | None:
+    def _tag(self, a: Action) -> int | None:
         """The first wire tag of a transfer in tags mode (its tensors take the next ones); None: one tag per pair."""
         if self.mode == "strict" or self.coalesce:
             return None
-        return 16 * (3 * (mb * self.num_stages + producer) + direction)
+        stage = self.stage_of(a.chunk)
+        producer = stage - 1 if a.kind in (Kind.RECV_F, Kind.RECV_H) else stage + (a.kind is Kind.RECV_B)
+        return 16 * (3 * (a.microbatch * self.num_stages + producer) + "FBH".index(a.kind.value[-1]))
 
     def _send_tensors(self, a: Action) -> Tensors:
         stage = self.stage_of(a.chunk)
@@ -213,37 +209,30 @@ class Wire:
     def post(self, step: Step) -> None:
         """Post one comm step (sends first, then receives, each in program order); never waits on data.
 
-        In strict mode the previous comm step's ops complete first (see [Note: modes]).
+        In strict mode the previous comm step's ops complete first (see [Note: modes]); a header
+        step completes before the rank goes on (see [Note: the wire is the program]).
         """
         for tr in self._last_step:   # strict mode only
             self._complete(tr)
         transfers: list[_Transfer] = []
+        ops: list[tuple[_Transfer, torch.Tensor, int]] = []
         for a in sorted(step, key=lambda x: not x.kind.is_send):
-            stage = self.stage_of(a.chunk)
             tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
-            tr = _Transfer(a, self.global_rank(a.peer), tensors)
+            tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors),
+                           done=not tensors)
             transfers.append(tr)
             if a.kind.is_send:
-                tr.tensors = tuple(t.detach().contiguous() for t in tensors)
                 self._sends.append(tr)
-            elif a.kind is Kind.RECV_H:
-                self._headers.append((tr, stage - 1))
-            else:
+            elif a.kind is not Kind.RECV_H:
                 self._incoming[(a.kind, a.microbatch, a.chunk)] = tr
-        ops: list[tuple[_Transfer, torch.Tensor, int]] = []
-        for tr in transfers:
-            a = tr.action
-            producer = {Kind.SEND_F: 0, Kind.SEND_H: 0, Kind.SEND_B: 0, Kind.RECV_F: -1, Kind.RECV_H: -1,
-                        Kind.RECV_B: 1}[a.kind] + self.stage_of(a.chunk)
-            direction = 2 if a.kind in (Kind.SEND_H, Kind.RECV_H) else int(a.kind in (Kind.SEND_B, Kind.RECV_B))
-            base = self._tag(direction, a.microbatch, producer)
+            base = self._tag(a)
             ops += [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
-            if not tr.tensors:
-                tr.done = True
         self._issue(ops)
         self._last_step = transfers if self.mode == "strict" and not self.coalesce else []
-        if self._headers:
-            self._settle_headers()
+        for tr in transfers:
+            if tr.action.kind is Kind.RECV_H:
+                self._complete(tr)
+                self._streams[self.stage_of(tr.action.chunk) - 1] = decode_header(tr.tensors[0])
 
     def _issue(self, ops: list[tuple[_Transfer, torch.Tensor, int]]) -> None:
         if self.log is not None:
@@ -254,26 +243,14 @@ class Wire:
         if self.coalesce:
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend if tr.action.kind.is_send else dist.irecv, t,
                                                        tr.peer, self.group, tag) for tr, t, tag in ops])
-            # Gloo gives one work per op (never wait one twice: it would wait for a second transfer);
-            # NCCL gives one for the whole step, which every transfer of the step then waits on
-            for i, (tr, _, _) in enumerate(ops):
-                if len(works) == len(ops):
-                    tr.works.append(works[i])
-                else:
-                    tr.works = list(works)
+            for i, (tr, _, _) in enumerate(ops):   # Gloo: a work per op (never wait one twice); NCCL: one for all
+                tr.works = tr.works + [works[i]] if len(works) == len(ops) else list(works)
             return
         for tr, t, tag in ops:   # Gloo: each op on its own, started directly on the process group
             if tr.peer not in self._group_rank:
                 self._group_rank[tr.peer] = dist.get_group_rank(self._pg, tr.peer)
             fn = self._pg.send if tr.action.kind.is_send else self._pg.recv
             tr.works.append(fn([t], self._group_rank[tr.peer], tag))
-
-    def _settle_headers(self) -> None:
-        """Complete the header receives just posted and learn their streams' shapes."""
-        for tr, producer in self._headers:
-            self._complete(tr)
-            self._streams[producer] = decode_header(tr.tensors[0])
-        self._headers = []
 
     # ------------------------------------------------------------------ completion
 
@@ -282,17 +259,14 @@ class Wire:
             return
         label = f"{tr.action} on rank {dist.get_rank() if dist.is_initialized() else 0}"
         for w in tr.works:
-            try:
-                if self.device.type == "cuda":
-                    w.wait()      # the compute stream waits; the host does not (see [Note: modes])
-                    continue
-                ok = w.wait(timeout=timedelta(seconds=self.timeout))
+            why = ""
+            try:   # on CUDA the compute stream waits, not the host (see [Note: modes])
+                ok = w.wait() if self.device.type == "cuda" else w.wait(timeout=timedelta(seconds=self.timeout))
             except RuntimeError as exc:
-                raise P2PTimeout(f"{label}: no completion after {self.timeout:g} s with peer rank {tr.peer} "
-                                 f"(the peer did not post the matching op: schedules out of order, or the peer "
-                                 f"failed): {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+                ok, why = False, ": " + (str(exc).splitlines() or [repr(exc)])[0]
             if ok is False:
-                raise P2PTimeout(f"{label}: no completion after {self.timeout:g} s with peer rank {tr.peer}")
+                raise P2PTimeout(f"{label}: no completion after {self.timeout:g} s with peer rank {tr.peer} (the peer "
+                                 f"did not post the matching op: schedules out of order, or the peer failed){why}")
         tr.done = True
 
     def take(self, kind: Kind, mb: int, chunk: int) -> Any:
