@@ -105,8 +105,7 @@ def flatten(value: Any) -> tuple[bool, Tensors]:
     if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
         return True, tuple(value)
     inner = [type(t).__name__ for t in value] if isinstance(value, (tuple, list)) else ""
-    raise TypeError(f"a stage may only pass a Tensor or a tuple of Tensors to the next stage, got {type(value).__name__}"
-                    f"{inner}")
+    raise TypeError(f"a stage may pass on only a Tensor or a tuple of Tensors, got {type(value).__name__}{inner}")
 
 
 @dataclass
