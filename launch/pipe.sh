@@ -6,6 +6,7 @@
 #   N        processes on this node (one per GPU for "gpus")
 #   gpus     NCCL backend, device cuda (one process per GPU)
 #   cpus     Gloo backend, device cpu; the node's cores are split fairly: OMP_NUM_THREADS=cores/N
+#   --max-restarts N   torchrun restarts all workers up to N times after a failure (default 0, env MAX_RESTARTS)
 #   --pp P   pipeline stages; dp = world / P. Default: pp = N/2 (at most 8) for even N >= 4,
 #            otherwise pp = N (e.g. 8 gpus -> pp=4 x dp=2, 4 cpus -> pp=2 x dp=2)
 #   the rest goes to `python -m pipeengine.train` (see `python -m pipeengine.train --help`)
@@ -14,12 +15,14 @@
 #   NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
 #   LOG_RANK=0        which local rank's output to show (torchrun --local-ranks-filter); "all" for every rank
 #   PYTHON=python     interpreter to use
+#   MAX_RESTARTS=0    restart the whole group this many times when a worker dies (same as --max-restarts N;
+#                     with the trainer's --save-interval and --resume the run continues from its last checkpoint)
 # Example, two nodes of 8 GPUs (run on each node with its NODE_RANK):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/pipe.sh 8 gpus --pp 8 --model gpt --preset small
 # Slurm: see launch/slurm.sbatch.
 set -euo pipefail
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 if [[ $# -lt 2 || "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     usage
@@ -51,15 +54,22 @@ LOG_RANK=${LOG_RANK:-0}
 PYTHON=${PYTHON:-python}
 WORLD=$((NPROC * NNODES))
 
-# --pp from the trainer flags, or the default split
+# --max-restarts is torchrun's; --pp from the trainer flags, or the default split
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 PP=""
-ARGS=("$@")
-for ((i = 0; i < ${#ARGS[@]}; i++)); do
-    case "${ARGS[$i]}" in
-        --pp) PP=${ARGS[$((i + 1))]:-} ;;
-        --pp=*) PP=${ARGS[$i]#--pp=} ;;
+ARGS=()
+while (( $# )); do
+    case "$1" in
+        --max-restarts) MAX_RESTARTS=${2:-}; shift 2 || { echo "pipe.sh: --max-restarts needs a number" >&2; exit 2; }; continue ;;
+        --max-restarts=*) MAX_RESTARTS=${1#--max-restarts=}; shift; continue ;;
+        --pp) PP=${2:-} ;;
+        --pp=*) PP=${1#--pp=} ;;
     esac
+    ARGS+=("$1"); shift
 done
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+    echo "pipe.sh: --max-restarts must be a whole number >= 0 (got '$MAX_RESTARTS')" >&2; exit 2
+fi
 if [[ -z "$PP" ]]; then
     if (( WORLD >= 4 && WORLD % 2 == 0 )); then PP=$((WORLD / 2)); (( PP > 8 )) && PP=8; else PP=$WORLD; fi
     while (( WORLD % PP != 0 )); do PP=$((PP - 1)); done
@@ -84,5 +94,6 @@ else
 fi
 
 set -x
-exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" "${FILTER[@]}" \
+exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" --max-restarts "$MAX_RESTARTS" \
+    "${FILTER[@]}" \
     -m pipeengine.train --device "$DEVICE" --backend "$BACKEND" "${ARGS[@]}"

@@ -125,6 +125,7 @@ class PipelineEngine:
         self.replica = self.topology.replica_of(self.rank)
         self.device = device or default_device()
         pp = self.topology.pp
+        self.precision = precision
         if precision == "fp16" and self.device.type != "cuda":
             raise ValueError("precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU")
 

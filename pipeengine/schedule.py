@@ -116,10 +116,11 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[Program]:
     if chunks < 2:
         raise ValueError(f"interleaved-1f1b needs chunks >= 2 (got {chunks}); use 1f1b for one chunk")
     if pp > 1 and microbatches % pp:
+        below = microbatches - microbatches % pp   # nearest multiples of pp; 0 (below pp) is no choice
+        nearby = " or ".join(str(n) for n in (below, below + pp) if n >= pp)
         raise ValueError(
             f"interleaved-1f1b needs microbatches to be a multiple of pp (got microbatches={microbatches}, "
-            f"pp={pp}): microbatches go through in groups of pp; use microbatches="
-            f"{max(pp, microbatches - microbatches % pp)} or {microbatches + pp - microbatches % pp}, "
+            f"pp={pp}): microbatches go through in groups of pp; use microbatches={nearby}, "
             f"or the 1f1b schedule")
     order_f: list[tuple[int, int]] = []
     order_b: list[tuple[int, int]] = []
@@ -176,13 +177,14 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int = 1,
                      costs: Costs | None = None) -> Schedule:
     """Build, lower and validate: the exact program the engine runs.
 
-    ``costs`` (per chunk; default uniform f = b = w) only matter for zb-h1, whose two W
-    orderings are both simulated and the faster one kept (ties go to the paper's H1).
+    ``costs`` (per chunk; default uniform f = b = w) order the communication: the schedule is
+    lowered with them (see :func:`lower`). For zb-h1 both W orderings are lowered and simulated
+    with them and the faster one kept (ties go to the paper's H1).
     """
-    lowered = lower(build_schedule(name, pp, microbatches, chunks))
+    lowered = lower(build_schedule(name, pp, microbatches, chunks), costs)
     validate(lowered)
     if name == "zb-h1":
-        alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False))
+        alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False), costs)
         validate(alt)
         c = costs or Costs()
         if simulate(alt, c).makespan < simulate(lowered, c).makespan:
@@ -259,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.file:
             with open(args.file, encoding="utf-8") as fh:
                 sched = parse_schedule(fh.read(), name=args.file)
-            sched = lower(sched)
+            sched = lower(sched, costs.per_chunk(sched.chunks))
             validate(sched)
         else:
             sched = compile_schedule(args.schedule, args.pp, args.microbatches, args.chunks,

@@ -2,10 +2,15 @@
 
 [Note: paired order by a witness execution]
 A compute-only schedule fixes each rank's order of F/B/W. To add communication we run the
-schedule once with positive unit costs under its data dependencies (F on stage s after F on
-s-1, B on s after B on s+1). That witness execution gives every transfer a time: the end of
-the action that produced it. Each transfer becomes a send on the producer and a recv on the
-consumer, both keyed ``(time, transfer)``; a compute action is keyed ``(start, compute)``.
+schedule once under its data dependencies (F on stage s after F on s-1, B on s after B on
+s+1) with the costs it will run with (``lower(schedule, costs)``; unit costs when none are
+given), so the transfers are posted in the order they happen at those costs. That witness
+execution gives every transfer a time: the end of the action that produced it. Each
+transfer becomes a send on the producer and a recv on the consumer, both keyed
+``(time, tier, transfer)``; a compute action is keyed ``(start, tier, compute)``, and at
+equal time and tier transfers sort first. The tier only matters for zero costs: an action
+of duration 0 ends one tier after it starts, so its sends still sort after it and its
+consumers after them (with positive costs every tier is 0).
 Every rank's program is its events sorted by key, and comm events with no compute between
 them are posted as one batch. Because both ends of a link sort the same keys, both post the
 link's ops in the same sequence (paired order), and a recv always precedes its consumer,
@@ -150,14 +155,26 @@ def _dependency(schedule: Schedule, rank: int, a: Action) -> tuple[int, Action] 
     return None
 
 
-def _witness_times(schedule: Schedule) -> list[list[tuple[float, float]]]:
-    """(start, end) of every compute action under data dependencies with unit costs (F=1, B=2, W=1)."""
+def _witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None
+                   ) -> list[list[tuple[tuple[float, int], tuple[float, int]]]]:
+    """(start, end) stamps of every compute action under data dependencies with ``costs``.
+
+    ``costs`` is one Costs for all ranks or one per rank, as for :func:`simulate`; None means
+    unit costs (F=1, B=2, W=1, or B=1 when backward is split). ``comm`` is not modelled: a
+    consumer may start when its producer ends (adding comm delays here, with no model of each
+    rank's in-order comm queue, gave worse orders in simulation than leaving them out).
+
+    A stamp is ``(time, tier)``, compared lexicographically: the tier orders zero-duration
+    actions at the same time (an action of duration 0 ends at ``(start time, start tier + 1)``,
+    one of positive duration at tier 0), so with zero costs an action's end still sorts after
+    its start and after everything it waited for. With positive costs every tier is 0.
+    """
     split = schedule.split_backward
     acts = [schedule.compute_actions(r) for r in range(schedule.pp)]
-    cost = {Kind.F: 1.0, Kind.B: 1.0 if split else 2.0, Kind.W: 1.0}
-    end_of: dict[tuple[int, Action], float] = {}
-    times: list[list[tuple[float, float]]] = [[] for _ in acts]
-    clock = [0.0] * schedule.pp
+    rank_costs = _per_rank(Costs() if costs is None else costs, schedule.pp)
+    end_of: dict[tuple[int, Action], tuple[float, int]] = {}
+    times: list[list[tuple[tuple[float, int], tuple[float, int]]]] = [[] for _ in acts]
+    clock: list[tuple[float, int]] = [(0.0, 0)] * schedule.pp
     pc = [0] * schedule.pp
     progress = True
     while progress:
@@ -168,8 +185,9 @@ def _witness_times(schedule: Schedule) -> list[list[tuple[float, float]]]:
                 dep = _dependency(schedule, r, a)
                 if dep is not None and dep not in end_of:
                     break
-                start = max(clock[r], end_of[dep] if dep is not None else 0.0)
-                end = start + cost[a.kind]
+                start = max(clock[r], end_of[dep]) if dep is not None else clock[r]
+                d = rank_costs[r].of(a.kind, split)
+                end = (start[0] + d, 0) if d > 0 else (start[0], start[1] + 1)
                 end_of[(r, a)] = end
                 times[r].append((start, end))
                 clock[r] = end
@@ -230,18 +248,23 @@ def _transfers(schedule: Schedule, rank: int, a: Action) -> list[tuple[Action, i
     return []
 
 
-def lower(schedule: Schedule) -> Schedule:
-    """Insert paired, batched send/recv steps into a compute-only schedule (see the module note)."""
+def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> Schedule:
+    """Insert paired, batched send/recv steps into a compute-only schedule (see the module note).
+
+    The order comes from a witness execution with ``costs`` (one Costs for all ranks or one per
+    rank, as for :func:`simulate`); None means unit costs. Lower with the costs you will run
+    with: the order of transfers, and so the makespan, depends on them.
+    """
     if schedule.lowered:
         return schedule
     _check_compute(schedule)
-    times = _witness_times(schedule)
-    events: list[list[tuple[tuple[float, int, int, int, int], Action]]] = [[] for _ in range(schedule.pp)]
+    times = _witness_times(schedule, costs)
+    events: list[list[tuple[tuple[float, int, int, int, int, int], Action]]] = [[] for _ in range(schedule.pp)]
     for r in range(schedule.pp):
         for a, (start, end) in zip(schedule.compute_actions(r), times[r]):
-            events[r].append(((start, 1, 0, 0, 0), a))
+            events[r].append(((*start, 1, 0, 0, 0), a))
             for send, q, recv in _transfers(schedule, r, a):
-                key = (end, 0, int(a.kind is Kind.B), schedule.stage(r, a.chunk), a.microbatch)
+                key = (*end, 0, int(a.kind is Kind.B), schedule.stage(r, a.chunk), a.microbatch)
                 events[r].append((key, send))
                 events[q].append((key, recv))
     programs: list[list[Step]] = []
@@ -545,7 +568,7 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "as
     :func:`validate` proves freedom from deadlock under it.
     """
     if not schedule.lowered:
-        schedule = lower(schedule)
+        schedule = lower(schedule, costs)
     if mode == "rendezvous":
         return _simulate_rendezvous(schedule, costs)
     if mode != "async":

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .checkpoint import latest, load, save
 from .engine import PipelineEngine, StepResult
 from .metrics import MetricsWriter, chrome_trace, compute_breakdown, gather_records, measured_bubble
 from .schedule import SCHEDULES, Costs, simulate, theoretical_bubble
@@ -65,6 +66,10 @@ class TrainConfig:
     timeout: float = 300.0        #: seconds any wait may take before the rank reports what it was stuck on
     checkpoint: str = "none"      #: activation checkpointing per chunk: none, full or every:K (layers per region)
     precision: str = "fp32"       #: fp32, bf16 (autocast, bf16 between stages) or fp16 (CUDA, loss scaling)
+    save_interval: int = 0        #: save a checkpoint every N steps and after the last one (0: never)
+    save_dir: str = "checkpoints"  #: where checkpoints go (one step-NNNNNNNN folder each)
+    keep: int = 3                 #: keep the newest K complete checkpoints (0: all)
+    resume: str | None = None     #: "latest" (the newest in save_dir, if any) or a checkpoint path
 
     def check(self, world_size: int) -> Topology:
         if self.model not in MODELS:
@@ -80,6 +85,8 @@ class TrainConfig:
             parse_checkpoint(self.checkpoint)
         except ValueError as exc:
             raise ValueError(f"--checkpoint: {exc}") from None
+        if self.save_interval < 0 or self.keep < 0:
+            raise ValueError(f"--save-interval and --keep must be >= 0 (got {self.save_interval}, {self.keep})")
         for name in ("microbatches", "micro_batch_size", "steps", "chunks", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
@@ -150,12 +157,22 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--precision", default=d.precision, choices=("fp32", "bf16", "fp16"),
                    help="bf16: autocast, activations between stages in bf16, fp32 parameters, gradients and "
                         "optimizer state; fp16: the same with a dynamic loss scale, CUDA only (default fp32)")
+    p.add_argument("--save-interval", type=int, default=d.save_interval, metavar="N",
+                   help="save a checkpoint every N steps and after the last step (default 0: never)")
+    p.add_argument("--save-dir", default=d.save_dir, help="checkpoint directory (default checkpoints)")
+    p.add_argument("--keep", type=int, default=d.keep, help="keep the newest K checkpoints (0: all; default 3)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="resume from PATH (a checkpoint or a save directory) or, without PATH, from the newest "
+                        "complete checkpoint in --save-dir if there is one (else start at step 0)")
     a = p.parse_args(argv)
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
 
-def _init(cfg: TrainConfig) -> tuple[torch.device, int]:
-    """Initialise torch.distributed (torchrun env, or a one-process group) and pick the device."""
+def _init(cfg: TrainConfig) -> tuple[torch.device, bool]:
+    """Initialise torch.distributed (torchrun env, or a one-process group) unless the caller did; pick the device.
+
+    Returns (device, whether this call created the process group).
+    """
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu (or launch/pipe.sh N cpus)")
@@ -166,11 +183,21 @@ def _init(cfg: TrainConfig) -> tuple[torch.device, int]:
     if want_cuda:
         torch.cuda.set_device(local_rank)
     from datetime import timedelta
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if dist.is_initialized():
+        return device, False
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
+        # torchrun keeps one store across restarts of the group: keys of a crashed attempt (the Gloo
+        # addresses of its groups) would be read by the next one, so each attempt gets its own prefix
+        from torch.distributed.distributed_c10d import PrefixStore
+        from torch.distributed.rendezvous import rendezvous
+        store, rank, world = next(rendezvous("env://", timeout=timedelta(seconds=cfg.timeout)))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=PrefixStore(f"pipeengine/attempt{attempt}/", store),
+                                rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-    return (torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")), local_rank
+    return device, True
 
 
 def _progress(step: int, total: int, loss: float, samples_s: float, width: int = 24) -> str:
@@ -179,7 +206,7 @@ def _progress(step: int, total: int, loss: float, samples_s: float, width: int =
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    device, _ = _init(cfg)
+    device, owned = _init(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         topo = cfg.check(world)
@@ -210,10 +237,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                                 grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
                                 checkpoint=cfg.checkpoint, precision=cfg.precision)
         del factories
+        start = _resume(cfg, engine)
     except ValueError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
         raise SystemExit(2)
     global_batch = topo.dp * cfg.microbatches * cfg.micro_batch_size
     tokens_per_example = int(getattr(mcfg, "block_size", 0)) or None
@@ -239,13 +268,15 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     val_loss = float("nan")
     times: list[float] = []
     bubbles: list[tuple[float, float]] = []
-    for step in range(cfg.steps):
+    losses: list[float] = []
+    for step in range(start, cfg.steps):
         lr = cfg.lr_at(step)
         for g in engine.optimizer.param_groups:
             g["lr"] = lr
         res: StepResult = engine.train_batch(data_iter("train", step))
-        first_loss = res.loss if step == 0 else first_loss
+        first_loss = res.loss if step == start else first_loss
         last_loss = res.loss
+        losses.append(res.loss)
         times.append(res.step_time)
         samples_s = global_batch / res.step_time
         wanted = (step % cfg.log_interval == 0 or step == cfg.steps - 1 or cfg.trace_step == step
@@ -274,16 +305,22 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
             val_loss = evaluate(step)
             writer.log_eval(step, val_loss)
+        if cfg.save_interval and ((step + 1) % cfg.save_interval == 0 or step + 1 == cfg.steps):
+            saved = save(engine, cfg.save_dir, step + 1, keep=cfg.keep or None,
+                         extra={"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)})
+            if rank == 0 and not is_tty:
+                print(f"saved {saved}")
         if rank == 0:
             line = _progress(step + 1, cfg.steps, res.loss, samples_s)
             print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
     val_loss = evaluate(cfg.steps)
     writer.log_eval(cfg.steps, val_loss)
     writer.close()
-    steady = sorted(times[1:] or times)
+    steady = sorted(times[1:] or times or [float("nan")])
     median = steady[len(steady) // 2]
     summary = {"config": asdict(cfg), "pp": topo.pp, "dp": topo.dp, "first_loss": first_loss,
                "final_loss": last_loss, "val_loss": val_loss, "median_step_s": median,
+               "first_step": start, "losses": losses,
                "samples_per_s": global_batch / median,
                "tokens_per_s": global_batch * tokens_per_example / median if tokens_per_example else None,
                "measured_bubble": sum(b[0] for b in bubbles) / len(bubbles) if bubbles else None,
@@ -296,8 +333,34 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         os.makedirs(os.path.join(cfg.log_dir, run_name), exist_ok=True)
         with open(os.path.join(cfg.log_dir, run_name, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
-    dist.destroy_process_group()
+    if owned:
+        dist.destroy_process_group()
     return summary
+
+
+def _resume(cfg: TrainConfig, engine: PipelineEngine) -> int:
+    """Load the checkpoint ``--resume`` asks for (rank 0 decides which, every rank loads); the step to start at."""
+    if cfg.resume is None:
+        return 0
+    choice: list[Any] = [cfg.resume]
+    if cfg.resume == "latest" and dist.get_rank() == 0:
+        found, partial = latest(cfg.save_dir)
+        for p in partial:
+            print(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
+        choice = [found]
+        if found is None:
+            print(f"no checkpoint in {cfg.save_dir!r}: starting at step 0")
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return 0
+    info = load(engine, choice[0])
+    if dist.get_rank() == 0:
+        print(f"resumed from {info['path']} at step {info['step']} (written with pp={info.get('pp')} "
+              f"dp={info.get('dp')} {info.get('schedule')})")
+    if info["step"] >= cfg.steps:
+        raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.steps}; "
+                         f"ask for more steps to continue training")
+    return int(info["step"])
 
 
 def _theoretical(engine: PipelineEngine, records: dict[int, list[Any]]) -> float:

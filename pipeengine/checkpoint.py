@@ -1,0 +1,323 @@
+"""Checkpoints on torch.distributed.checkpoint: keyed by global layer names, atomic, re-partitionable; export, inspect.
+
+    python -m pipeengine.checkpoint inspect CKPT            # manifest, tensor count and bytes
+    python -m pipeengine.checkpoint export CKPT OUT.pt      # one plain state_dict of the unsplit model
+
+[Note: checkpoint layout]
+A save directory holds one folder per checkpoint, ``step-00000100/``: the DCP files (``.metadata``
+and one ``__<rank>_0.distcp`` shard per writing rank) and ``manifest.json`` (pp, dp, schedule,
+chunks, partition bounds, precision, versions, step). Keys never name a rank or a stage:
+
+    layers.<global layer index>.<name>           parameters and buffers (``layers.7.qkv.weight``)
+    optim.layers.<i>.<name>.<state>              optimizer state of that parameter (``...exp_avg``)
+    train.step, train.loss_scale                 where training stands (data and LR follow the step)
+    rng.rank<r>.cpu / .cuda                      every rank's RNG state (restored when the world matches)
+
+so a checkpoint loads under any pp, dp, chunks or partition. Replicas (DP, tied copies) offer the
+same keys and DCP writes each key once. A checkpoint is written as ``.tmp-step-…/`` and renamed
+by rank 0 only after every rank finished and the manifest is in it: a folder named ``step-…`` is
+complete; a ``.tmp-`` one is a crashed save, ignored (and reported) when looking for the latest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+if TYPE_CHECKING:
+    from .engine import PipelineEngine
+
+__all__ = ["CheckpointError", "save", "load", "latest", "resolve", "export", "main"]
+
+MANIFEST = "manifest.json"
+PREFIX, TMP = "step-", ".tmp-step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, damaged or of another model; the message says which."""
+
+
+def _model_entries(engine: PipelineEngine) -> dict[str, torch.Tensor]:
+    """This rank's parameters and buffers by global key (detached views: loading writes into them)."""
+    out: dict[str, torch.Tensor] = {}
+    for ch in engine.chunks:
+        start = engine.bounds[ch.stage]
+        for j, layer in enumerate(ch.module.layers):
+            for name, t in layer.state_dict(keep_vars=True).items():
+                out[f"layers.{start + j}.{name}"] = t.detach()
+    return out
+
+
+def _param_keys(engine: PipelineEngine) -> dict[int, str]:
+    """Parameter id -> its first global key (a tied parameter's copies share one optimizer state)."""
+    keys: dict[int, str] = {}
+    for ch in engine.chunks:
+        start = engine.bounds[ch.stage]
+        for j, layer in enumerate(ch.module.layers):
+            for name, p in layer.named_parameters(remove_duplicate=False):
+                keys.setdefault(id(p), f"layers.{start + j}.{name}")
+    return keys
+
+
+def _state(engine: PipelineEngine, step: int) -> dict[str, Any]:
+    sd: dict[str, Any] = dict(_model_entries(engine))
+    keys = _param_keys(engine)
+    for p in engine.parameters:
+        for name, value in engine.optimizer.state.get(p, {}).items():
+            sd[f"optim.{keys[id(p)]}.{name}"] = value
+    sd["train.step"] = torch.tensor(step)
+    sd["train.loss_scale"] = torch.tensor(engine.loss_scale, dtype=torch.float64)
+    sd[f"rng.rank{engine.rank}.cpu"] = torch.get_rng_state()
+    if engine.device.type == "cuda":
+        sd[f"rng.rank{engine.rank}.cuda"] = torch.cuda.get_rng_state(engine.device)
+    return sd
+
+
+def _manifest(engine: PipelineEngine, step: int, extra: dict[str, Any] | None) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        ours = version("pipeengine")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {"format": 1, "step": step, "pp": engine.topology.pp, "dp": engine.topology.dp,
+            "world_size": engine.topology.world_size, "schedule": engine.schedule.name,
+            "chunks": engine.schedule.chunks, "microbatches": engine.microbatches, "bounds": engine.bounds,
+            "num_layers": engine.num_layers, "precision": engine.precision,
+            "versions": {"pipeengine": ours, "torch": torch.__version__},
+            "saved": time.strftime("%Y-%m-%d %H:%M:%S"), **(extra or {})}
+
+
+def save(engine: PipelineEngine, directory: str, step: int, *, keep: int | None = None,
+         extra: dict[str, Any] | None = None) -> str:
+    """Save this step's state (collective: every rank calls it); return the checkpoint's folder.
+
+    ``keep``: delete all but the newest ``keep`` complete checkpoints afterwards. ``extra``: more
+    manifest fields (the trainer adds its model and config).
+    """
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    final = os.path.join(directory, f"{PREFIX}{step:08d}")
+    tmp = os.path.join(directory, f"{TMP}{step:08d}")
+    error = None
+    if engine.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = f"cannot write checkpoints to {directory!r}: {exc.strerror or exc}; pass a writable --save-dir"
+    _agree(error)
+    dcp_save(_state(engine, step), checkpoint_id=tmp)
+    dist.barrier()
+    if engine.rank == 0:
+        with open(os.path.join(tmp, MANIFEST), "w") as fh:
+            json.dump(_manifest(engine, step, extra), fh, indent=1)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep is not None:
+            for old in complete_checkpoints(directory)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _agree(error: str | None) -> None:
+    """Raise the first rank's error on every rank (a check that fails on one rank must not hang the others)."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def complete_checkpoints(directory: str) -> list[str]:
+    """Complete checkpoints in a save directory, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    names = sorted(n for n in os.listdir(directory) if n.startswith(PREFIX)
+                   and os.path.exists(os.path.join(directory, n, MANIFEST)))
+    return [os.path.join(directory, n) for n in names]
+
+
+def latest(directory: str) -> tuple[str | None, list[str]]:
+    """(the newest complete checkpoint or None, the partial ones: crashed saves, ignored)."""
+    partial = sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                     if n.startswith(TMP)) if os.path.isdir(directory) else []
+    done = complete_checkpoints(directory)
+    return (done[-1] if done else None), partial
+
+
+def resolve(path: str) -> str:
+    """A checkpoint folder from a checkpoint folder or a save directory (its newest); CheckpointError if none."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a file; give a checkpoint folder (step-…) or a save directory")
+    if os.path.exists(os.path.join(path, ".metadata")):
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete (no {MANIFEST}: the save did not finish)")
+        return path
+    found, partial = latest(path)
+    if found is None:
+        more = f" (only incomplete saves: {', '.join(os.path.basename(p) for p in partial)})" if partial else ""
+        raise CheckpointError(f"{path!r} holds no complete checkpoint{more}")
+    return found
+
+
+def _metadata(path: str) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as exc:  # a damaged .metadata: pickle, EOF or OS errors
+        raise CheckpointError(f"checkpoint {path!r} is damaged: cannot read its .metadata ({type(exc).__name__}: "
+                              f"{exc})") from None
+
+
+def manifest(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, MANIFEST)) as fh:
+        result: dict[str, Any] = json.load(fh)
+    return result
+
+
+def _check(sd: dict[str, Any], md: Any, path: str) -> str | None:
+    """Why ``sd`` cannot be loaded from metadata ``md``, or None."""
+    for key, t in sd.items():
+        meta = md.state_dict_metadata.get(key)
+        if meta is None:
+            return (f"checkpoint {path!r} has no {key} (the checkpoint is of another model: it has "
+                    f"{sum(k.startswith('layers.') for k in md.state_dict_metadata)} model tensors)")
+        size = tuple(getattr(meta, "size", ()))
+        if isinstance(t, torch.Tensor) and size != tuple(t.shape):
+            return f"checkpoint {path!r} has {key} of shape {size}, but the model's is {tuple(t.shape)}"
+    return None
+
+
+def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
+    """Load a checkpoint into the engine (collective); return its manifest. Any pp, dp, chunks, partition.
+
+    RNG states are restored only when the checkpoint's world size equals this one's (a re-partitioned
+    run has other ranks).
+    """
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    error, info, md = None, {}, None
+    try:
+        path = resolve(path)
+        md = _metadata(path)
+        info = manifest(path)
+    except (CheckpointError, OSError, ValueError) as exc:
+        error = str(exc)
+    _agree(error)
+    assert md is not None
+    sd: dict[str, Any] = dict(_model_entries(engine))
+    keys = _param_keys(engine)
+    optim: dict[int, dict[str, str]] = {}   # param id -> state name -> key
+    for p in engine.parameters:
+        prefix = f"optim.{keys[id(p)]}."
+        for key, meta in md.state_dict_metadata.items():
+            if key.startswith(prefix):
+                name = key[len(prefix):]
+                optim.setdefault(id(p), {})[name] = key
+                sd[key] = (torch.empty(tuple(meta.size), dtype=meta.properties.dtype,
+                                       device="cpu" if name == "step" else p.device)
+                           if hasattr(meta, "size") else None)
+    sd["train.step"] = torch.tensor(0)
+    sd["train.loss_scale"] = torch.tensor(1.0, dtype=torch.float64)
+    same_world = info.get("world_size") == engine.topology.world_size
+    rng_keys = [k for k in md.state_dict_metadata if k.startswith(f"rng.rank{engine.rank}.")] if same_world else []
+    for k in rng_keys:
+        sd[k] = torch.empty(tuple(md.state_dict_metadata[k].size), dtype=torch.uint8)
+    _agree(_check(sd, md, path))
+    try:
+        dcp_load(sd, checkpoint_id=path)
+    except (Exception, CheckpointException) as exc:  # DCP gathers every rank's read errors, raises them on all
+        raise CheckpointError(f"checkpoint {path!r} could not be read (damaged or truncated file?): "
+                              f"{str(exc).splitlines()[0][:300]}") from None
+    for p in engine.parameters:
+        if id(p) in optim:
+            engine.optimizer.state[p] = {name: sd[key] for name, key in optim[id(p)].items()}
+    engine.loss_scale = float(sd["train.loss_scale"])
+    for k in rng_keys:
+        if k.endswith(".cpu"):
+            torch.set_rng_state(sd[k])
+        elif engine.device.type == "cuda":
+            torch.cuda.set_rng_state(sd[k], engine.device)
+    info["step"] = int(sd["train.step"])
+    info["path"] = path
+    return info
+
+
+# ------------------------------------------------------------------ export and inspect (no process group)
+
+def export(path: str, out: str) -> int:
+    """Write the unsplit model's plain ``state_dict`` (keys ``<layer>.<name>``, as ``nn.Sequential(*layers)``)."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    path = resolve(path)
+    md = _metadata(path)
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+          if k.startswith("layers.")}
+    try:
+        with warnings.catch_warnings():   # "loading in a single process": exactly the intent here
+            warnings.simplefilter("ignore")
+            dcp_load(sd, checkpoint_id=path, no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"checkpoint {path!r} could not be read (damaged or truncated file?): "
+                              f"{str(exc).splitlines()[0][:300]}") from None
+    plain = {k[len("layers."):]: v for k, v in sorted(sd.items(), key=lambda kv: _layer_order(kv[0]))}
+    tmp = out + ".tmp"
+    torch.save(plain, tmp)
+    os.replace(tmp, out)
+    return len(plain)
+
+
+def _layer_order(key: str) -> tuple[int, str]:
+    _, index, rest = key.split(".", 2)
+    return int(index), rest
+
+
+def describe(path: str) -> str:
+    path = resolve(path)
+    md = _metadata(path)
+    tensors = [m for m in md.state_dict_metadata.values() if hasattr(m, "size")]
+    nbytes = sum(torch.Size(m.size).numel() * torch.empty((), dtype=m.properties.dtype).element_size()
+                 for m in tensors)
+    model = [k for k in md.state_dict_metadata if k.startswith("layers.")]
+    return "\n".join([f"checkpoint {path}", json.dumps(manifest(path), indent=1),
+                      f"{len(tensors)} tensors ({len(model)} model, "
+                      f"{sum(k.startswith('optim.') for k in md.state_dict_metadata)} optimizer), "
+                      f"{nbytes / 2**20:,.1f} MiB"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeengine.checkpoint", description=(
+        "Inspect a pipeengine checkpoint or export its model as one plain state_dict."))
+    sub = p.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("inspect", help="print the manifest, tensor count and bytes")
+    i.add_argument("ckpt", help="a checkpoint folder (step-…) or a save directory (its newest checkpoint)")
+    e = sub.add_parser("export", help="write the unsplit model's state_dict (load it into nn.Sequential(*layers))")
+    e.add_argument("ckpt", help="a checkpoint folder (step-…) or a save directory (its newest checkpoint)")
+    e.add_argument("out", help="the .pt file to write (torch.load(..., weights_only=True) reads it)")
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "inspect":
+            print(describe(a.ckpt))
+        else:
+            n = export(a.ckpt, a.out)
+            print(f"wrote {n} tensors to {a.out}")
+    except (CheckpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

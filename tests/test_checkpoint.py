@@ -1,0 +1,209 @@
+"""Checkpoints: bitwise resume, re-partitioning, export to the plain model, crash safety, restarts, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine.checkpoint import CheckpointError, complete_checkpoints, export, latest, main, resolve
+from pipeengine.train import TrainConfig, parse_args, run
+from tests.harness import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = ["--model", "gpt", "--preset", "tiny", "--optimizer", "adamw", "--warmup", "2", "--eval-interval", "0",
+       "--log-interval", "100", "--timeline-interval", "0", "-m", "2", "--global-batch", "8"]
+
+
+def trainer(tmp: str, name: str, *flags: str) -> TrainConfig:
+    return parse_args([*GPT, "--log-dir", os.path.join(tmp, "runs"), "--run-name", name, *flags])
+
+
+def train_runs(rank: int, world: int, runs: list[list[str]], tmp: str) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    out = []
+    for i, flags in enumerate(runs):
+        s = run(trainer(tmp, f"r{i}", *flags))
+        out.append({"losses": s["losses"], "first_step": s["first_step"], "val_loss": s["val_loss"]})
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path) -> None:
+    s0, d, p = str(tmp_path / "straight"), str(tmp_path / "split"), str(tmp_path / "pp4")
+    runs = [
+        ["--pp", "2", "--steps", "6", "--save-interval", "6", "--save-dir", s0],      # 0: uninterrupted, pp2 x dp2
+        ["--pp", "2", "--steps", "3", "--save-interval", "3", "--save-dir", d],        # 1: 3 steps, saved
+        ["--pp", "2", "--steps", "6", "--save-interval", "3", "--resume", "--save-dir", d],   # 2: resume + 3 steps
+        ["--pp", "4", "--steps", "4", "--save-interval", "3", "--save-dir", p],        # 3: pp4 saves at 3
+        ["--pp", "2", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 4: ... loaded at pp2 x dp2
+        ["--pp", "1", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 5: ... at pp1 x dp4
+        ["--pp", "2", "--steps", "4", "--schedule", "interleaved-1f1b",                # 6: ... interleaved, 2 chunks
+         "--resume", os.path.join(p, "step-00000003")],
+    ]
+    results = run_distributed(train_runs, 4, runs, str(tmp_path), timeout=280)
+    r = results[0]
+    assert r[2]["first_step"] == 3 and r[2]["losses"] == r[0]["losses"][3:], (r[0]["losses"], r[2]["losses"])
+    assert r[1]["losses"] == r[0]["losses"][:3]
+    for k in (4, 5, 6):   # the next step's loss after loading the pp=4 checkpoint elsewhere
+        assert r[k]["first_step"] == 3
+        torch.testing.assert_close(r[k]["losses"][0], r[3]["losses"][3], rtol=1e-5, atol=1e-6)
+    # parameters equal bitwise too: the straight run and the resumed one end in the same state
+    export(s0, str(tmp_path / "a.pt"))
+    export(d, str(tmp_path / "b.pt"))   # the newest: step 6
+    straight, resumed = (torch.load(tmp_path / n, weights_only=True) for n in ("a.pt", "b.pt"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    # export the step-3 checkpoint and evaluate the plain model: the pipeline's validation loss at step 3
+    out = str(tmp_path / "model.pt")
+    assert export(os.path.join(d, "step-00000003"), out) > 0
+    from models import data, gpt
+    cfg = gpt.presets()["tiny"]()
+    layers = gpt.build(cfg)
+    net = nn.Sequential(*layers)
+    net.load_state_dict(torch.load(out, weights_only=True))
+    src = data.ByteCorpus(block_size=cfg.block_size)
+    ((x, y),) = data.batches(src, "val", 3, 1234, 0, 1, 1, 2 * 2 * 2)
+    with torch.no_grad():
+        loss = gpt.loss_fn(net(x), y).item()
+    torch.testing.assert_close(loss, r[1]["val_loss"], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ crash safety and bad input (no torchrun)
+
+CRASH = r"""
+import os, sys, torch.distributed.checkpoint.filesystem as fs
+from pipeengine.train import main
+write = fs.FileSystemWriter.write_data
+calls = [0]
+def dying(self, plan, planner):
+    calls[0] += 1
+    if calls[0] == 2:            # the second save dies half-way: the process is killed
+        os._exit(9)
+    return write(self, plan, planner)
+fs.FileSystemWriter.write_data = dying
+main(sys.argv[1:])
+"""
+
+
+def cli(*args: str, code: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.timeout(200)
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_and_is_ignored(tmp_path: Path) -> None:
+    d = str(tmp_path / "ck")
+    flags = ["--model", "mlp", "--steps", "4", "--save-interval", "2", "--save-dir", d, "--log-dir", str(tmp_path)]
+    p = cli(*flags, code=CRASH)
+    assert p.returncode == 9, p.stderr[-2000:]
+    found, partial = latest(d)
+    assert found is not None and found.endswith("step-00000002"), (found, os.listdir(d))
+    assert [os.path.basename(x) for x in partial] == [".tmp-step-00000004"]
+    assert resolve(d) == found
+    resumed = cli("pipeengine.train", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "ignoring incomplete checkpoint" in resumed.stdout and "at step 2" in resumed.stdout
+    assert [os.path.basename(x) for x in complete_checkpoints(d)] == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.timeout(200)
+def test_bad_checkpoints_give_one_line_errors_and_overwrite_nothing(tmp_path: Path) -> None:
+    d = str(tmp_path / "ck")
+    ok = cli("pipeengine.train", "--model", "mlp", "--steps", "2", "--save-interval", "2", "--save-dir", d,
+             "--log-dir", str(tmp_path))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    ck = resolve(d)
+    out = tmp_path / "keep.pt"
+    out.write_bytes(b"precious")
+    (tmp_path / "empty").mkdir()
+    cases = [(str(tmp_path / "missing"), "does not exist"), (str(tmp_path / "empty"), "holds no complete checkpoint"),
+             (str(out), "is a file")]
+    for path, msg in cases:
+        p = cli("pipeengine.checkpoint", "export", path, str(out))
+        assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    shard = next(Path(ck).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])   # truncated
+    p = cli("pipeengine.checkpoint", "export", ck, str(out))
+    assert p.returncode == 2 and "could not be read" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert out.read_bytes() == b"precious"
+    # a checkpoint of another model: the key and both shapes are named
+    other = str(tmp_path / "other")
+    assert cli("pipeengine.train", "--model", "mlp", "--preset", "small", "--steps", "1", "--save-interval", "1",
+               "--save-dir", other, "--log-dir", str(tmp_path)).returncode == 0
+    p = cli("pipeengine.train", "--model", "mlp", "--steps", "3", "--resume", other, "--log-dir", str(tmp_path))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "error: checkpoint" in p.stderr and "layers.0.weight of shape (256, 32), but the model's is (64, 32)" \
+        in p.stderr, p.stderr
+    insp = cli("pipeengine.checkpoint", "inspect", other)
+    assert insp.returncode == 0 and '"preset": "small"' in insp.stdout and "tensors (" in insp.stdout
+
+
+def test_cli_usage() -> None:
+    with pytest.raises(SystemExit):
+        main([])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve("/nonexistent/ck")
+
+
+# ------------------------------------------------------------------ restart after a rank dies (real processes)
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_restarted_and_the_run_finishes_with_the_uninterrupted_loss(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="all")
+    flags = ["--model", "mlp", "--steps", "14", "--save-interval", "2", "--resume", "--log-interval", "100",
+             "--eval-interval", "0", "--timeline-interval", "0"]
+
+    def launch(name: str, kill: bool) -> tuple[str, float]:
+        cmd = ["bash", str(ROOT / "launch" / "pipe.sh"), "2", "cpus", "--max-restarts", "1", *flags,
+               "--save-dir", str(tmp_path / name), "--log-dir", str(tmp_path), "--run-name", name]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        out, killed_at = [], 0.0
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if kill and not killed_at and "step-00000006" in line:   # a checkpoint exists: kill rank 1
+                pid = _worker_pid(proc.pid, rank=1)
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+        proc.wait(timeout=200)
+        text = "".join(out)
+        assert proc.returncode == 0, text[-4000:]
+        return text, killed_at
+
+    straight, _ = launch("straight", kill=False)
+    text, killed_at = launch("killed", kill=True)
+    assert killed_at and "resumed from" in text, text[-3000:]
+    final = [json_summary(tmp_path, n)["final_loss"] for n in ("straight", "killed")]
+    assert final[0] == final[1], final
+
+
+def json_summary(tmp: Path, name: str) -> dict[str, Any]:
+    import json
+    return json.loads((tmp / name / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def _worker_pid(launcher: int, rank: int) -> int:
+    """The pid of the trainer process with RANK=rank started by the launcher (torchrun, exec'd by pipe.sh)."""
+    for _ in range(100):
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == launcher and f"RANK={rank}".encode() in environ:
+                return int(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no worker with RANK={rank} under launcher {launcher}")
