@@ -132,10 +132,22 @@ def test_tied_embedding_stays_bit_identical_and_matches_single_process() -> None
     (["--global-batch", "30", "--microbatches", "4", "--pp", "2"], 4,
      r"--global-batch 30 is not divisible by dp=2 x microbatches=4 = 8; use a multiple of 8"),
     (["--schedule", "forward"], 1, r"is not a training schedule"),
+    (["--checkpoint", "some"], 1, r"--checkpoint: checkpoint must be 'none', 'full' or 'every:K'"),
+    (["--checkpoint", "every:0"], 1, r"every:K' with K >= 1 layers per region \(got 'every:0'\)"),
+    (["--keep", "-1"], 1, r"--save-interval and --keep must be >= 0"),
 ])
 def test_bad_configs_are_explained(flags: list[str], world: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_args(flags).check(world)
+
+
+def test_interleaved_defaults_to_two_chunks() -> None:
+    cfg = parse_args(["--schedule", "interleaved-1f1b"])
+    cfg.check(2)
+    assert cfg.chunks == 2
+    cfg = parse_args(["--schedule", "1f1b"])
+    cfg.check(2)
+    assert cfg.chunks == 1
 
 
 def test_unknown_schedule_rejected_by_argparse_or_check() -> None:
@@ -149,6 +161,8 @@ def test_unknown_schedule_rejected_by_argparse_or_check() -> None:
      "mlp (tiny) has 10 layers but pp=1 x chunks=16 needs 16 stages"),
     (["--model", "gpt", "--preset", "huge"], "--preset 'huge' is not a gpt preset; choose tiny, small"),
     (["--model", "gpt", "--data", "/nonexistent/corpus.txt"], "--data '/nonexistent/corpus.txt' does not exist"),
+    (["--model", "mlp", "--precision", "fp16"], "precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU"),
+    (["--model", "mlp", "--resume", "/nonexistent/ck"], "checkpoint '/nonexistent/ck' does not exist"),
 ])
 def test_trainer_cli_prints_clear_error(flags: list[str], match: str, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "pipeengine.train", "--log-dir", str(tmp_path), *flags],
@@ -174,6 +188,7 @@ def test_pipe_sh_usage_and_bad_arguments(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "second argument must be 'gpus' or 'cpus' (got 'tpus')" in bad.stderr
     assert "N must be a positive integer (got 'x')" in pipe_sh("x", "cpus").stderr
     assert "--pp 3 does not divide the world size 4" in pipe_sh("4", "cpus", "--pp", "3").stderr
+    assert "--max-restarts must be a whole number >= 0 (got 'x')" in pipe_sh("2", "cpus", "--max-restarts", "x").stderr
     fake = tmp_path / "nvidia-smi"   # a node with one GPU
     fake.write_text("#!/bin/sh\necho 'GPU 0: Fake'\n")
     fake.chmod(0o755)
