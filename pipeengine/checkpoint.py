@@ -221,8 +221,12 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
     sd: dict[str, Any] = dict(_model_entries(engine))
     keys = _param_keys(engine)
     optim: dict[int, dict[str, str]] = {}   # param id -> state name -> key
+    aliases = {f"layers.{i}.{n}": [f"layers.{j}.{m}" for j, m in tie] for tie in engine.tied for i, n in tie}
     for p in engine.parameters:
-        prefix = f"optim.{keys[id(p)]}."
+        # a tied parameter's state may have been saved under another copy's key (another partition)
+        candidates = [keys[id(p)], *aliases.get(keys[id(p)], [])]
+        prefix = next((f"optim.{k}." for k in candidates
+                       if any(m.startswith(f"optim.{k}.") for m in md.state_dict_metadata)), f"optim.{candidates[0]}.")
         for key, meta in md.state_dict_metadata.items():
             if key.startswith(prefix):
                 name = key[len(prefix):]

@@ -155,6 +155,7 @@ class PipelineEngine:
         del specs   # see [Note: per-stage construction] in layers.py
 
         # ties: one Parameter object per rank (share_tied), summed over the positions holding a copy
+        self.tied = [list(tie) for tie in tied]
         for tie in tied:
             for i, _ in tie:
                 if not 0 <= i < self.num_layers:

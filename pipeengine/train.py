@@ -306,10 +306,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             val_loss = evaluate(step)
             writer.log_eval(step, val_loss)
         if cfg.save_interval and ((step + 1) % cfg.save_interval == 0 or step + 1 == cfg.steps):
+            t_save = time.perf_counter()
             saved = save(engine, cfg.save_dir, step + 1, keep=cfg.keep or None,
                          extra={"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)})
-            if rank == 0 and not is_tty:
-                print(f"saved {saved}")
+            if rank == 0:
+                print(f"{chr(10) if is_tty else ''}saved {saved} in {time.perf_counter() - t_save:.2f} s")
         if rank == 0:
             line = _progress(step + 1, cfg.steps, res.loss, samples_s)
             print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
@@ -353,10 +354,11 @@ def _resume(cfg: TrainConfig, engine: PipelineEngine) -> int:
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return 0
+    t0 = time.perf_counter()
     info = load(engine, choice[0])
     if dist.get_rank() == 0:
-        print(f"resumed from {info['path']} at step {info['step']} (written with pp={info.get('pp')} "
-              f"dp={info.get('dp')} {info.get('schedule')})")
+        print(f"resumed from {info['path']} at step {info['step']} in {time.perf_counter() - t0:.2f} s (written "
+              f"with pp={info.get('pp')} dp={info.get('dp')} {info.get('schedule')})")
     if info["step"] >= cfg.steps:
         raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.steps}; "
                          f"ask for more steps to continue training")
