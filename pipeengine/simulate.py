@@ -30,6 +30,8 @@ On link (0, 1) both ranks post F0, F1, B0, B1 in that order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
+from math import lcm
 from typing import Sequence
 from .actions import Action, Kind, Schedule, ScheduleError, Step, format_grid
 
@@ -156,7 +158,7 @@ def _dependency(schedule: Schedule, rank: int, a: Action) -> tuple[int, Action] 
 
 
 def _witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None
-                   ) -> list[list[tuple[tuple[float, int], tuple[float, int]]]]:
+                   ) -> list[list[tuple[tuple[int, int], tuple[int, int]]]]:
     """(start, end) stamps of every compute action under data dependencies with ``costs``.
 
     ``costs`` is one Costs for all ranks or one per rank, as for :func:`simulate`; None means
@@ -164,17 +166,27 @@ def _witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = N
     consumer may start when its producer ends (adding comm delays here, with no model of each
     rank's in-order comm queue, gave worse orders in simulation than leaving them out).
 
-    A stamp is ``(time, tier)``, compared lexicographically: the tier orders zero-duration
-    actions at the same time (an action of duration 0 ends at ``(start time, start tier + 1)``,
-    one of positive duration at tier 0), so with zero costs an action's end still sorts after
-    its start and after everything it waited for. With positive costs every tier is 0.
+    Time is counted exactly, in integer ticks: each duration, relative to the largest one, is
+    taken as the nearest fraction with denominator <= 10**6 (1/3 for 0.333..., 1/10 for 0.1),
+    so costs that tie on paper tie here (0.1 + 0.2 == 0.3, three F's of 1/3 == one of 1) and
+    float rounding never decides the order. A stamp is ``(tick, tier)``, compared
+    lexicographically: the tier orders zero-duration actions at the same tick (an action of
+    duration 0 ends at ``(start tick, start tier + 1)``, one of positive duration at tier 0),
+    so with zero costs an action's end still sorts after its start and after everything it
+    waited for. With positive costs every tier is 0.
     """
     split = schedule.split_backward
     acts = [schedule.compute_actions(r) for r in range(schedule.pp)]
+    kinds = (Kind.F, Kind.B, Kind.W)
     rank_costs = _per_rank(Costs() if costs is None else costs, schedule.pp)
-    end_of: dict[tuple[int, Action], tuple[float, int]] = {}
-    times: list[list[tuple[tuple[float, int], tuple[float, int]]]] = [[] for _ in acts]
-    clock: list[tuple[float, int]] = [(0.0, 0)] * schedule.pp
+    durations = [[c.of(k, split) for k in kinds] for c in rank_costs]
+    unit = max([d for row in durations for d in row if d > 0], default=1.0)
+    exact = [[Fraction(d / unit).limit_denominator(10**6) for d in row] for row in durations]
+    per_tick = lcm(*(x.denominator for row in exact for x in row))
+    ticks = [{k: int(x * per_tick) for k, x in zip(kinds, row)} for row in exact]
+    end_of: dict[tuple[int, Action], tuple[int, int]] = {}
+    times: list[list[tuple[tuple[int, int], tuple[int, int]]]] = [[] for _ in acts]
+    clock: list[tuple[int, int]] = [(0, 0)] * schedule.pp
     pc = [0] * schedule.pp
     progress = True
     while progress:
@@ -186,7 +198,7 @@ def _witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = N
                 if dep is not None and dep not in end_of:
                     break
                 start = max(clock[r], end_of[dep]) if dep is not None else clock[r]
-                d = rank_costs[r].of(a.kind, split)
+                d = ticks[r][a.kind]
                 end = (start[0] + d, 0) if d > 0 else (start[0], start[1] + 1)
                 end_of[(r, a)] = end
                 times[r].append((start, end))
@@ -259,7 +271,7 @@ def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> S
         return schedule
     _check_compute(schedule)
     times = _witness_times(schedule, costs)
-    events: list[list[tuple[tuple[float, int, int, int, int, int], Action]]] = [[] for _ in range(schedule.pp)]
+    events: list[list[tuple[tuple[int, int, int, int, int, int], Action]]] = [[] for _ in range(schedule.pp)]
     for r in range(schedule.pp):
         for a, (start, end) in zip(schedule.compute_actions(r), times[r]):
             events[r].append(((*start, 1, 0, 0, 0), a))

@@ -261,3 +261,93 @@ def test_schedule_module_imports_no_torch() -> None:
     import sys
     code = "import sys, pipeengine.schedule; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+# ------------------------------------------------------------------ lowering with the run's costs
+
+def test_zb_h1_with_free_w_lowers_to_1f1b_makespan() -> None:
+    # w = 0: zb-h1 is 1F1B with free W's, so (m + p - 1)(f + b) = 11 * 3 = 33. Lowered with unit
+    # costs the H1 ordering posted its transfers in the wrong order for these costs and took 37.
+    c = Costs(f=1, b=2, w=0)
+    assert simulate(compile_schedule("zb-h1", 4, 8, costs=c), c).makespan == 33
+    assert simulate(build_schedule("zb-h1", 4, 8), c).makespan == 33  # simulate lowers with c
+    for lag_w in (True, False):
+        s = lower(build_schedule("zb-h1", 4, 8, lag_w=lag_w), c)
+        validate(s)
+        assert simulate(s, c).makespan == 33, lag_w
+        assert simulate(s, c, mode="rendezvous").makespan == 33, lag_w
+
+
+def test_cli_zb_h1_makespan_matches_closed_form(capsys: pytest.CaptureFixture[str]) -> None:
+    # m(f+b+w) + (p-1)(f+b-w) = 8 * 2.5 + 3 * 1.5 = 24.5 (was 26 when lowered with unit costs)
+    assert main(["--schedule", "zb-h1", "--pp", "4", "-m", "8", "--tw", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "makespan            24.5\n" in out
+    assert "bubble (simulated)  0.184" in out and "bubble (theory)     0.184" in out
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 1, 0.5), (1, 1, 0.25), (1, 2, 0.5), (2, 1, 1), (3, 2, 1)])
+def test_zb_h1_reaches_closed_form_for_non_uniform_costs(f: float, b: float, w: float) -> None:
+    c = Costs(f, b, w)
+    for p in range(2, 7):
+        for m in (p, p + 1, 2 * p, 3 * p):
+            r = simulate(compile_schedule("zb-h1", p, m, costs=c), c)
+            assert r.makespan == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w)), (p, m)
+
+
+ZERO_COSTS = [Costs(0, 0, 0), Costs(1, 0, 0), Costs(0, 1, 0), Costs(0, 0, 1), Costs(0, 1, 1), Costs(1, 2, 0)]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_lower_with_zero_costs_is_valid_and_deterministic(pp: int) -> None:
+    for (name, v), m, c in itertools.product(SWEEP, (1, 2, pp, 2 * pp), ZERO_COSTS):
+        if name == "interleaved-1f1b" and m % pp:
+            continue
+        s = lower(build_schedule(name, pp, m, v), c)
+        validate(s)  # every send after its producer, every recv before its consumer, paired, no deadlock
+        assert s.programs == lower(build_schedule(name, pp, m, v), c).programs
+        assert simulate(s, c).makespan == simulate(build_schedule(name, pp, m, v), c).makespan
+    assert format_schedule(lower(build_schedule("1f1b", 2, 2), Costs(0, 0, 0))).splitlines()[1:] == [
+        "F0 sendH0>1 sendF0>1 F1 sendF1>1+recvB0<1 B0 recvB1<1 B1",
+        "recvH0<0 recvF0<0 F0 recvF1<0 B0 sendB0>0 F1 B1 sendB1>0",
+    ]
+
+
+def test_lower_default_is_unit_costs_and_ignores_float_rounding() -> None:
+    for (name, v), pp in itertools.product(SWEEP, (2, 3, 4)):
+        s = build_schedule(name, pp, 2 * pp, v)
+        assert lower(s).programs == lower(s, Costs()).programs == lower(s, Costs(2, 2, 2)).programs
+    # per-chunk costs 1/3 are unit costs scaled: same order (float sums of 1/3 must not break ties)
+    s = build_schedule("interleaved-1f1b", 6, 18, 3)
+    c = Costs(1, 1, 1, comm=0.5).per_chunk(3)
+    assert lower(s, c).programs == lower(s).programs
+    assert simulate(compile_schedule("interleaved-1f1b", 6, 18, 3, c), c).makespan == pytest.approx(130.5)
+    z = build_schedule("zb-h1", 4, 8)
+    assert lower(z, Costs(0.1, 0.2, 0.3)).programs == lower(z, Costs(1, 2, 3)).programs
+
+
+def test_lower_accepts_per_rank_costs() -> None:
+    slow = [Costs(), Costs(f=3, b=1, w=1), Costs(), Costs()]
+    s = build_schedule("zb-h1", 4, 8)
+    lowered = lower(s, slow)
+    validate(lowered)
+    assert simulate(s, slow).makespan == simulate(lowered, slow).makespan
+    assert lowered.programs != lower(s).programs
+    with pytest.raises(ValueError, match="got 2 per-rank costs for pp=4"):
+        lower(s, [Costs(), Costs()])
+
+
+# ------------------------------------------------------------------ interleaved suggestions
+
+@pytest.mark.parametrize("pp,m,suggestion", [
+    (4, 2, "use microbatches=4, or the 1f1b"),      # 0 is no choice: only 4
+    (3, 1, "use microbatches=3, or the 1f1b"),
+    (3, 7, "use microbatches=6 or 9, or the 1f1b"),
+    (4, 6, "use microbatches=4 or 8, or the 1f1b"),
+    (4, 13, "use microbatches=12 or 16, or the 1f1b"),
+])
+def test_interleaved_suggests_distinct_valid_microbatches(pp: int, m: int, suggestion: str) -> None:
+    with pytest.raises(ValueError, match="multiple of pp") as exc:
+        build_schedule("interleaved-1f1b", pp, m, 2)
+    assert suggestion in str(exc.value)
+    build_schedule("interleaved-1f1b", 3, 9, 2)  # a multiple: no error
