@@ -38,7 +38,7 @@ def train_runs(rank: int, world: int, runs: list[list[str]], tmp: str) -> list[d
 
 @pytest.mark.timeout(300)
 def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path) -> None:
-    s0, d, p, q = (str(tmp_path / n) for n in ("straight", "split", "pp4", "pp1"))
+    s0, d, p, q, iv = (str(tmp_path / n) for n in ("straight", "split", "pp4", "pp1", "interleaved"))
     runs = [
         ["--pp", "2", "--steps", "6", "--save-interval", "6", "--save-dir", s0],      # 0: uninterrupted, pp2 x dp2
         ["--pp", "2", "--steps", "3", "--save-interval", "3", "--save-dir", d],        # 1: 3 steps, saved
@@ -46,10 +46,11 @@ def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path
         ["--pp", "4", "--steps", "4", "--save-interval", "3", "--save-dir", p],        # 3: pp4 saves at 3
         ["--pp", "2", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 4: ... loaded at pp2 x dp2
         ["--pp", "1", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 5: ... at pp1 x dp4
-        ["--pp", "2", "--steps", "4", "--schedule", "interleaved-1f1b",                # 6: ... interleaved, 2 chunks
-         "--resume", os.path.join(p, "step-00000003")],
+        ["--pp", "2", "--steps", "5", "--schedule", "interleaved-1f1b",                # 6: ... interleaved, 2 chunks,
+         "--resume", os.path.join(p, "step-00000003"), "--save-interval", "4", "--save-dir", iv],   # saving at 4
         ["--pp", "1", "--steps", "4", "--save-interval", "3", "--save-dir", q],        # 7: pp1 (both tied copies
         ["--pp", "4", "--steps", "4", "--resume", os.path.join(q, "step-00000003")],   # 8: on one rank) -> pp4
+        ["--pp", "4", "--steps", "5", "--resume", os.path.join(iv, "step-00000004")],  # 9: interleaved -> pp4
     ]
     results = run_distributed(train_runs, 4, runs, str(tmp_path), timeout=280)
     r = results[0]
@@ -60,6 +61,8 @@ def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path
         torch.testing.assert_close(r[k]["losses"][0], r[3]["losses"][3], rtol=1e-5, atol=1e-6)
     # the tied LM head's optimizer state was saved under the embedding's key: found under its own at pp=4
     torch.testing.assert_close(r[8]["losses"][0], r[7]["losses"][3], rtol=1e-5, atol=1e-6)
+    # saved with interleaved chunks, loaded at pp=4: the next step's loss
+    torch.testing.assert_close(r[9]["losses"][0], r[6]["losses"][1], rtol=1e-5, atol=1e-6)
     # parameters equal bitwise too: the straight run and the resumed one end in the same state
     export(s0, str(tmp_path / "a.pt"))
     export(d, str(tmp_path / "b.pt"))   # the newest: step 6
