@@ -113,6 +113,7 @@ class _Transfer:
     action: Action
     peer: int                                   # global rank
     tensors: Tensors                            # send: what goes out; recv: the buffers
+    seq: int = 0                                # index of this transfer in its link's order, this step
     works: list[Any] = field(default_factory=list)
     done: bool = False
 
@@ -163,6 +164,7 @@ class Wire:
         self._streams: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}      # producer stage -> agreed
         self._sends: list[_Transfer] = []
         self._last_step: list[_Transfer] = []
+        self._link_seq: dict[int, int] = {}                                      # peer -> transfers so far
 
     def put(self, kind: Kind, mb: int, chunk: int, value: Any) -> None:
         """Hand over what chunk ``chunk`` produced for microbatch ``mb``: F output or B input gradients."""
@@ -215,10 +217,14 @@ class Wire:
             self._complete(tr)
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
+        seqs = {}
+        for a in step:   # link order is program order
+            seqs[a] = self._link_seq.get(a.peer, 0)
+            self._link_seq[a.peer] = seqs[a] + 1
         for a in sorted(step, key=lambda x: not x.kind.is_send):
             tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
             tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors),
-                           done=not tensors)
+                           seqs[a], done=not tensors)
             transfers.append(tr)
             if a.kind.is_send:
                 self._sends.append(tr)
@@ -276,13 +282,20 @@ class Wire:
         """
         tr = self._incoming.pop((kind, mb, chunk))
         self._complete(tr)
+        # Sends to this peer that come before this transfer in the link's order have been received:
+        # the peer posted their receives before it sent this. Waiting on them cannot block, and it
+        # is what frees them on Gloo, whose works report completion only once waited on.
+        for send in self._sends:
+            if send.peer == tr.peer and send.seq < tr.seq:
+                self._complete(send)
+        self.poll()
         if kind is Kind.RECV_B:
             return tr.tensors
         packed = self._streams[self.stage_of(chunk) - 1][0]
         return tr.tensors if packed else tr.tensors[0]
 
     def poll(self) -> None:
-        """Release the buffers of sends that completed (never waits)."""
+        """Release the buffers of sends known to have completed (never waits; see ``take``)."""
         self._sends = [tr for tr in self._sends
                        if not (tr.done or (tr.works and all(w.is_completed() for w in tr.works)))]
 

@@ -376,11 +376,12 @@ def memory_worker(rank: int, world: int) -> list[Any]:
     from pipeengine.engine import PipelineEngine
     from pipeengine.topology import Topology
     out = []
-    for sched, m in (("1f1b", 4), ("1f1b", 12), ("zb-h1", 12), ("gpipe", 6)):
+    for sched, m, wire in (("1f1b", 4, "strict"), ("1f1b", 12, "strict"), ("zb-h1", 12, "strict"),
+                           ("gpipe", 6, "strict"), ("1f1b", 4, "tags"), ("1f1b", 12, "tags"), ("zb-h1", 12, "tags")):
         BUILT.clear()
         engine = PipelineEngine([functools.partial(Scale, i) for i in range(world)], lambda y, _: y.mean(),
                                 lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(world, 1), schedule=sched,
-                                microbatches=m, wire="strict", partition="uniform")
+                                microbatches=m, wire=wire, partition="uniform")
         execute, peak = engine._execute, [0.0]
 
         def sampled(step: Any, st: Any, execute: Any = execute, engine: Any = engine) -> None:
@@ -395,7 +396,8 @@ def memory_worker(rank: int, world: int) -> list[Any]:
         bound = simulate(engine.schedule, __import__("pipeengine").Costs()).peak_in_flight[engine.position]
         real = sorted({i for i, dev in BUILT if dev != "meta"})
         mine = [i for ch in engine.chunks for i in range(engine.bounds[ch.stage], engine.bounds[ch.stage + 1])]
-        out.append((sched, m, peak[0], bound, real == mine, len(engine.parameters)))
+        out.append((sched if wire == "strict" else f"{sched}/tags", m, peak[0], bound, real == mine,
+                    len(engine.parameters)))
         del engine
     return out
 
@@ -408,11 +410,14 @@ def test_boundary_memory_is_bounded_by_the_schedule_not_by_m_and_ranks_build_onl
         for (sched, m), (peak, bound, own, n) in by.items():
             assert own and n == 1, (position, sched, m, "built layers of another stage")
             if sched != "gpipe":
-                # the schedule's in-flight inputs + the next input posted ahead + the output being sent +
-                # the gradient received for the coming B (strict mode: a step's sends end before the next step)
-                assert peak <= bound + 3 + 1e-9, (position, sched, m, peak, bound)
+                # strict (NCCL-like): the schedule's in-flight inputs + the next input posted ahead + the output
+                # being sent + the gradient received for the coming B, since a comm step ends before the next one.
+                # tags (Gloo's fast path, whose works say "completed" only once waited on): a send is released when
+                # a later transfer from the same peer is taken, so up to two more are in flight
+                assert peak <= bound + (5 if sched.endswith("tags") else 3) + 0.01, (position, sched, m, peak, bound)
         # flat in m: 1F1B with 12 microbatches holds what it holds with 4
         assert by[("1f1b", 12)][0] == by[("1f1b", 4)][0], (position, by)
+        assert by[("1f1b/tags", 12)][0] == by[("1f1b/tags", 4)][0], (position, by)
         # the counting sees growth when the schedule holds more (GPipe keeps every received microbatch)
         if position > 0:
             assert by[("gpipe", 6)][0] >= 6, (position, by)
