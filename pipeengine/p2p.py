@@ -21,9 +21,12 @@ step is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step 
 own timeout and watchdog catch hangs there.
 
 [Note: buffer lifetimes]
-A sent tensor is held until its send completed (``poll()`` after every action releases finished
-sends; the stage kept only the autograd node, see stage.py); a received buffer is handed over by
-``take()`` and lives as long as the stage needs it.
+A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
+tensor (of which the stage kept only the autograd node, see stage.py) is held until its send
+completed: when ``take()`` gets a transfer from a peer, every send to that peer earlier in the
+link's order has been received (the peer posted those receives before it sent this), so they
+are waited on there without blocking. That is what releases sends on Gloo, whose works report
+completion only once waited on; ``poll()`` after every action releases what reports completion.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ __all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header",
 HEADER_LEN = 64
 MAX_TAG = 2**24
 MAX_TENSORS = 15
-MODES = ("tags", "strict")
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 Tensors = tuple[torch.Tensor, ...]
@@ -56,10 +58,6 @@ class P2PTimeout(RuntimeError):
 class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-    @staticmethod
-    def of(t: torch.Tensor) -> "TensorMeta":
-        return TensorMeta(tuple(t.shape), t.dtype)
 
 
 def describe(metas: Sequence[TensorMeta]) -> str:
@@ -113,7 +111,7 @@ class _Transfer:
     action: Action
     peer: int                                   # global rank
     tensors: Tensors                            # send: what goes out; recv: the buffers
-    seq: int = 0                                # index of this transfer in its link's order, this step
+    seq: int = 0                                # position in this step's posting (= link) order
     works: list[Any] = field(default_factory=list)
     done: bool = False
 
@@ -133,22 +131,16 @@ class Wire:
     def __init__(self, device: torch.device, global_rank: Callable[[int], int], stage_of: Callable[[int], int],
                  num_stages: int, microbatches: int, *, timeout: float = 300.0, mode: str = "tags",
                  coalesce: bool | None = None, group: Any = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"wire mode must be one of {MODES} (got {mode!r})")
+        if mode not in ("tags", "strict"):
+            raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
         if coalesce is None:
             coalesce = dist.is_initialized() and dist.get_backend(group) == "nccl"
         top = (3 * microbatches * num_stages) * 16
         if mode == "tags" and not coalesce and top > MAX_TAG:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
                              f"Gloo's {MAX_TAG}; use fewer microbatches or the 'strict' wire mode (one tag per pair)")
-        self.device = device
-        self.global_rank = global_rank
-        self.stage_of = stage_of
-        self.num_stages = num_stages
-        self.timeout = timeout
-        self.mode = mode
-        self.coalesce = coalesce
-        self.group = group
+        self.device, self.global_rank, self.stage_of, self.num_stages = device, global_rank, stage_of, num_stages
+        self.timeout, self.mode, self.coalesce, self.group = timeout, mode, coalesce, group
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self._group_rank: dict[int, int] = {}
@@ -164,7 +156,7 @@ class Wire:
         self._streams: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}      # producer stage -> agreed
         self._sends: list[_Transfer] = []
         self._last_step: list[_Transfer] = []
-        self._link_seq: dict[int, int] = {}                                      # peer -> transfers so far
+        self._posted = 0                                                         # transfers posted so far
 
     def put(self, kind: Kind, mb: int, chunk: int, value: Any) -> None:
         """Hand over what chunk ``chunk`` produced for microbatch ``mb``: F output or B input gradients."""
@@ -185,7 +177,7 @@ class Wire:
         if a.kind is Kind.SEND_B:
             return self._outgoing.pop((Kind.B, a.microbatch, a.chunk))[1]
         packed, tensors = self._outgoing[(Kind.F, a.microbatch, a.chunk)]
-        metas = tuple(TensorMeta.of(t) for t in tensors)
+        metas = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)
         if a.kind is Kind.SEND_H:
             self._sent[stage] = (a.microbatch, packed, metas)
             return (encode_header(packed, metas, self.device),)
@@ -217,10 +209,8 @@ class Wire:
             self._complete(tr)
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
-        seqs = {}
-        for a in step:   # link order is program order
-            seqs[a] = self._link_seq.get(a.peer, 0)
-            self._link_seq[a.peer] = seqs[a] + 1
+        seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
+        self._posted += len(step)
         for a in sorted(step, key=lambda x: not x.kind.is_send):
             tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
             tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors),
@@ -282,10 +272,7 @@ class Wire:
         """
         tr = self._incoming.pop((kind, mb, chunk))
         self._complete(tr)
-        # Sends to this peer that come before this transfer in the link's order have been received:
-        # the peer posted their receives before it sent this. Waiting on them cannot block, and it
-        # is what frees them on Gloo, whose works report completion only once waited on.
-        for send in self._sends:
+        for send in self._sends:   # see [Note: buffer lifetimes]
             if send.peer == tr.peer and send.seq < tr.seq:
                 self._complete(send)
         self.poll()
