@@ -1,0 +1,624 @@
+"""Peak memory per rank: our engine against torch.distributed.pipelining, same model, microbatches and partition.
+
+    python benchmarks/memory.py                  # full matrix (pp 2, 4; m 4, 16, 64; A = 16 MiB) + extras + big GPT
+                                                 # (estimated 15-20 minutes on the 2-core VM)
+    python benchmarks/memory.py --quick          # smoke test: pp 2, m 4 and 16, A = 4 MiB, 1 measured step,
+                                                 # small GPT at pp 2 (about 1.5 minutes on the 2-core VM)
+    python benchmarks/memory.py --microbatches 4 16 --act-mib 4 --write-readme
+                                                 # pp 2 and 4, the big GPT; rewrites the table between
+                                                 # <!-- memory:begin --> and <!-- memory:end --> in benchmarks/README.md
+
+This script is the launcher: per configuration it starts P fresh worker processes
+``python benchmarks/memory.py --worker ...`` itself (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a
+free MASTER_PORT in their environment, as ``torchrun --standalone`` would set them), with
+``MALLOC_MMAP_THRESHOLD_=65536`` (glibc returns big freed blocks at once, so RSS follows live memory)
+and ``OMP_NUM_THREADS=1``; every configuration starts from a clean process. One configuration by hand:
+
+    MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        benchmarks/memory.py --worker --model boundary --schedule 1f1b -m 16 --act-mib 16 \\
+        --variants ours torch --out-dir /tmp/mem     # per-rank JSON files in /tmp/mem
+
+What it measures, per rank:
+
+* Matrix (``boundary`` model): one layer per stage, ``y = x * w + b`` with ``w, b`` of shape (cols,),
+  so a microbatch's only stored activation is the stage's input, one float32 tensor of A MiB
+  (rows x 1024). Loss ``out.float().mean()``. Schedules 1f1b, gpipe, zb-h1 (torch: Schedule1F1B,
+  ScheduleGPipe, ScheduleInterleavedZeroBubble with one stage per rank), dp = 1. Both engines run in
+  the same worker processes, one after the other (ours first; ``warm_process()`` pays the one-time
+  lazy imports before either is measured), on the same pre-split microbatches
+  (torch gets them through ``arg_mbs=`` and ``return_outputs=False``, so it neither splits a batch
+  nor keeps the outputs). For each engine: RSS before it is built (*pre*), one warm-up step, then
+  the kernel's peak-RSS counter is reset (``5 > /proc/self/clear_refs``) and VmRSS read (*baseline*),
+  the measured steps run, and VmHWM is read. *growth* = VmHWM - baseline (what a step allocates and
+  frees), *held* = baseline - pre (what the engine keeps between steps, e.g. preallocated receive
+  buffers), *peak* = held + growth. Also in units of A ("activations"). On CUDA the same with
+  ``torch.cuda.reset_peak_memory_stats`` / ``memory_allocated`` / ``max_memory_allocated``.
+  Step times are recorded but are not performance figures: with the mmap threshold every large
+  allocation is a fresh mmap whose pages fault in, which slows both engines.
+* Extra rows, ours only: ``precision="bf16"`` on the boundary model, and a ``deep`` model (4 layers
+  ``relu(x * w + b)`` per stage, each saving its A-MiB output) with ``checkpoint="none"`` and
+  ``"full"``: peak and step time. Skipped with a note if PipelineEngine has no such argument.
+* Big GPT (models/gpt.py), pp = 4 (pp = 2 with --quick), AdamW, 2 steps: each rank's peak RSS over
+  its RSS at process start (after importing torch and ``warm_process()``, whose first optimizer
+  imports torch._dynamo: ~150 MiB that is not model memory), against the whole model's fp32
+  param + grad + AdamW bytes (16 bytes per parameter). Built from per-layer factories when
+  models.gpt has them (each rank builds only its stages), and, for comparison, as the full module
+  list that every rank builds and keeps, as in the README's usage example.
+
+Output: a table on stdout, one JSON line per (configuration, engine variant) in
+benchmarks/results/memory.jsonl (the previous file is kept as memory.jsonl.prev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import inspect
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import models.gpt as gpt  # noqa: E402
+from pipeengine.engine import PipelineEngine  # noqa: E402
+from pipeengine.topology import Topology  # noqa: E402
+
+BEGIN, END = "<!-- memory:begin -->", "<!-- memory:end -->"
+COLS = 1024                      # activation columns; rows = A MiB * 256
+DEEP_LAYERS = 4                  # layers per stage of the deep (checkpointing) model
+MIB = 1024 * 1024
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb-h1": "ScheduleInterleavedZeroBubble"}
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        m = re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.M)
+    if m is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return int(m.group(1))
+
+
+class Probe:
+    """Current and peak memory of this process: RSS on CPU, the caching allocator's counters on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def current(self) -> float:
+        """MiB in use now (VmRSS, or CUDA memory_allocated)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated() / MIB
+        return _status_kib("VmRSS") / 1024
+
+    def reset_peak(self) -> float:
+        """Start a new peak window; return the current MiB (the window's baseline)."""
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as fh:   # "5": reset the peak RSS (VmHWM) to the current RSS
+                fh.write("5")
+        return self.current()
+
+    def peak(self) -> float:
+        """MiB at the peak since the last reset_peak (VmHWM, or CUDA max_memory_allocated)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / MIB
+        return _status_kib("VmHWM") / 1024
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+class Affine(nn.Module):
+    """y = x * w + b, elementwise with (cols,) parameters: autograd keeps only the input x.
+
+    With ``relu`` the layer returns relu(y), and autograd also keeps that output: one more A per layer
+    (relu rather than tanh or gelu: single-threaded tanh is 7x slower here, and the memory is the same).
+    """
+
+    def __init__(self, cols: int, relu: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(cols))
+        self.b = nn.Parameter(torch.zeros(cols))
+        self.relu = relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.w + self.b
+        return torch.relu(y) if self.relu else y
+
+
+def layers_per_stage(model: str) -> int:
+    return DEEP_LAYERS if model == "deep" else 1
+
+
+def make_layers(model: str, pp: int) -> list[nn.Module]:
+    """boundary: one Affine per stage; deep: DEEP_LAYERS relu-Affines per stage (where checkpointing pays)."""
+    return [Affine(COLS, relu=model == "deep") for _ in range(pp * layers_per_stage(model))]
+
+
+def mean_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
+    return out.float().mean()
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+def _variant_kwargs(variant: str) -> dict[str, Any]:
+    """'ours:checkpoint=full,precision=bf16' -> {'checkpoint': 'full', 'precision': 'bf16'}."""
+    _, _, opts = variant.partition(":")
+    return dict(kv.split("=", 1) for kv in opts.split(",") if kv)
+
+
+def _key(variant: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", variant)
+
+
+def _timed_steps(step: Callable[[], Any], steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _build_ours(variant: str, a: argparse.Namespace, device: torch.device,
+                mbs: list[torch.Tensor]) -> Callable[[], None]:
+    pp, per = dist.get_world_size(), layers_per_stage(a.model)
+    engine = PipelineEngine(make_layers(a.model, pp), mean_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3),
+                            topology=Topology(pp, 1), schedule=a.schedule, microbatches=a.m,
+                            partition=list(range(0, pp * per + 1, per)), device=device, **_variant_kwargs(variant))
+    data = mbs if mbs else [None] * a.m      # ranks without the first stage pass placeholders (never read)
+
+    def step() -> None:
+        engine.train_batch(iter([(x, None) for x in data]) if engine.needs_data else None)
+    return step
+
+
+def _build_torch(a: argparse.Namespace, device: torch.device, mbs: list[torch.Tensor]) -> Callable[[], None]:
+    from torch.distributed import pipelining
+    pp, rank, per = dist.get_world_size(), dist.get_rank(), layers_per_stage(a.model)
+    module = nn.Sequential(*make_layers(a.model, pp)[rank * per:(rank + 1) * per]).to(device)
+    stage = pipelining.PipelineStage(module, rank, pp, device)      # shapes inferred in the first step
+    cls = getattr(pipelining, TORCH_SCHEDULES[a.schedule])
+    sched = cls([stage] if a.schedule == "zb-h1" else stage, n_microbatches=a.m, loss_fn=mean_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    targets = [torch.zeros(1, device=device) for _ in range(a.m)]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        kw: dict[str, Any] = {"return_outputs": False}
+        if rank == 0:
+            kw["arg_mbs"] = [(x,) for x in mbs]
+        if rank == pp - 1:
+            kw["target_mbs"] = targets
+            kw["losses"] = []
+        sched.step(**kw)
+        opt.step()
+    return step
+
+
+def warm_process(pipelining: bool) -> None:
+    """Pay one-time costs before any baseline: the first optimizer imports torch._dynamo (~150 MiB of RSS here)."""
+    if pipelining:
+        importlib.import_module("torch.distributed.pipelining")
+    w = nn.Parameter(torch.zeros(8))
+    for opt in (torch.optim.SGD([w], lr=0.0), torch.optim.AdamW([w], lr=0.0)):
+        (w * 2.0).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _write(out_dir: str, variant: str, rec: dict[str, Any]) -> None:
+    path = os.path.join(out_dir, f"{_key(variant)}.rank{dist.get_rank()}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(rec, fh)
+    os.replace(path + ".tmp", path)
+
+
+def worker_matrix(a: argparse.Namespace, device: torch.device, probe: Probe) -> None:
+    """boundary / deep model: measure each variant in turn (fresh build, warm-up, measured steps)."""
+    rank = dist.get_rank()
+    rows = a.act_mib * MIB // (4 * COLS)
+    # The data exists before any engine: only the first stage reads inputs (views of one batch tensor).
+    full = torch.randn(a.m * rows, COLS, device=device) if rank == 0 else None
+    mbs = list(full.split(rows)) if full is not None else []
+    for variant in a.variants:
+        try:
+            gc.collect()
+            dist.barrier()
+            pre = probe.current()
+            step = _build_torch(a, device, mbs) if variant == "torch" else _build_ours(variant, a, device, mbs)
+            warm = _timed_steps(step, 1)
+            base = probe.reset_peak()
+            times = _timed_steps(step, a.steps)
+            peak = probe.peak()
+            rec = {"rank": rank, "pre_mib": pre, "baseline_mib": base, "peak_mib": peak, "growth_mib": peak - base,
+                   "held_mib": base - pre, "warmup_s": warm[0], "step_s": statistics.median(times)}
+            del step
+            gc.collect()
+        except Exception as exc:   # recorded; the launcher runs the remaining variants in a new launch
+            _write(a.out_dir, variant, {"rank": rank, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            raise
+        _write(a.out_dir, variant, rec)
+
+
+def worker_gpt(a: argparse.Namespace, device: torch.device, probe: Probe, import_mib: float) -> None:
+    """Big GPT, AdamW, a.steps steps; peak over the RSS before anything model-related exists.
+
+    The baseline is read at process start after importing torch and warm_process() (without it the
+    first optimizer's import of torch._dynamo, ~150 MiB, would count as model memory);
+    ``import_mib`` is the RSS right after the imports, kept in the JSON.
+    """
+    start_mib = probe.reset_peak()
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    cfg = gpt.Config(**json.loads(a.gpt_config))
+    specs: list[Any]
+    if a.variants[0] == "factories":
+        # Per-stage construction: zero-argument factories, the engine calls only this rank's.
+        specs = gpt.layer_factories(cfg)
+    else:
+        # The whole model as modules on every rank, kept by the caller as in the README's usage example
+        # (``layers = build_my_layers(); engine = PipelineEngine(layers, ...)``, then the training loop).
+        specs = gpt.build(cfg, seed=0)
+    engine = PipelineEngine(specs, gpt.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                            topology=Topology(pp, 1), schedule="1f1b", microbatches=a.m, partition="parameters",
+                            tied=gpt.tied_parameters(len(specs)), device=device)
+    gc.collect()
+    after_build, build_peak = probe.current(), probe.peak()
+    g = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(0, cfg.vocab_size, (a.gpt_batch, cfg.block_size), generator=g),
+              torch.randint(0, cfg.vocab_size, (a.gpt_batch, cfg.block_size), generator=g)) for _ in range(a.m)]
+    batch = [(x.to(device), y.to(device)) for x, y in batch]
+    times = _timed_steps(lambda: engine.train_batch(iter(batch) if engine.needs_data else None), a.steps)
+    peak = probe.peak()
+    local = sum(p.numel() for p in engine.parameters)
+    _write(a.out_dir, a.variants[0], {"rank": rank, "import_mib": import_mib, "start_mib": start_mib,
+                                      "after_build_mib": after_build, "build_peak_mib": build_peak,
+                                      "peak_mib": peak, "growth_mib": peak - start_mib, "local_params": local,
+                                      "step_s": times})
+
+
+def worker(a: argparse.Namespace, import_mib: float) -> None:
+    torch.set_num_threads(1)
+    a.steps = a.steps or 2
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=a.timeout))
+    probe = Probe(device)
+    warm_process("torch" in a.variants)
+    if a.model == "gpt":
+        worker_gpt(a, device, probe, import_mib)
+    else:
+        worker_matrix(a, device, probe)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(nproc: int, wargs: list[str], out_dir: str, timeout: float) -> tuple[bool, str]:
+    """Start ``nproc`` fresh worker processes of this script (env:// rendezvous on a free port); wait for them.
+
+    The same as ``torchrun --standalone --nproc_per_node nproc`` without torchrun's own process (which
+    would import torch once more on this 2-core machine). If one worker fails or the time runs out,
+    the others (which would wait in a collective) are killed. Returns (ok, tail of rank 0's output).
+    """
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", *wargs]
+    print("+", " ".join(cmd[1:]), flush=True)
+    env = dict(os.environ, **WORKER_ENV, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    logs = [open(os.path.join(out_dir, f"log.rank{r}.txt"), "w") for r in range(nproc)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
+    deadline, failed = time.time() + timeout, ""
+    while any(p.poll() is None for p in procs):
+        bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if bad or time.time() > deadline:
+            failed = (f"rank {bad[0]} exited with {procs[bad[0]].returncode}" if bad
+                      else f"timed out after {timeout:.0f} s")
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.wait()
+    for fh in logs:
+        fh.close()
+    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if bad and not failed:
+        failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+    with open(os.path.join(out_dir, f"log.rank{bad[0] if bad else 0}.txt")) as fh:
+        tail = fh.read()[-2000:]
+    return not failed, (failed + "\n" + tail) if failed else tail
+
+
+def collect(out_dir: str, variant: str, nproc: int) -> tuple[list[dict[str, Any]], str | None]:
+    """Per-rank records of one variant, or the first error a rank wrote (None if none wrote anything)."""
+    recs: list[dict[str, Any]] = []
+    for r in range(nproc):
+        path = os.path.join(out_dir, f"{_key(variant)}.rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                recs.append(json.load(fh))
+    errors = [r["error"] for r in recs if "error" in r]
+    if errors:
+        return [], errors[0]
+    return (recs, None) if len(recs) == nproc else ([], "no result (a process died; see the launch output)")
+
+
+def run_config(nproc: int, variants: list[str], wargs: list[str], timeout: float) -> dict[str, Any]:
+    """Run variants in one launch; a variant that fails is reported and the rest get a launch of their own."""
+    results: dict[str, Any] = {}
+    todo = list(variants)
+    while todo:
+        with tempfile.TemporaryDirectory(prefix="memory-") as out_dir:
+            ok, tail = launch(nproc, [*wargs, "--out-dir", out_dir, "--variants", *todo], out_dir, timeout)
+            done = []
+            for v in todo:
+                recs, err = collect(out_dir, v, nproc)
+                if recs:
+                    results[v] = recs
+                    done.append(v)
+                elif err and not err.startswith("no result"):
+                    results[v] = err
+                    done.append(v)
+            if not done:   # nothing came back: report every remaining variant with the launch output
+                print(tail, file=sys.stderr)
+                for v in todo:
+                    lines = tail.strip().splitlines() or ["?"]
+                    results[v] = f"launch failed: {lines[0]}; {lines[-1]}"
+                break
+            if not ok:
+                print(f"  (launch failed after {', '.join(done)}; rerunning the rest)\n{tail[-800:]}", file=sys.stderr)
+            todo = [v for v in todo if v not in done]
+    return results
+
+
+def _per_rank(recs: list[dict[str, Any]], key: str, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+    return " / ".join(fmt.format(r[key] / scale) for r in sorted(recs, key=lambda r: r["rank"]))
+
+
+def _max(recs: Any, key: str) -> float | None:
+    return max(r[key] for r in recs) if isinstance(recs, list) else None
+
+
+def matrix_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| schedule | pp | m | ours growth MiB (A) per rank | torch growth MiB (A) per rank | ours/torch growth "
+             "| ours held MiB | torch held MiB | ours/torch peak |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r["act_mib"]
+        cells = []
+        for e in ("ours", "torch"):
+            v = r["results"].get(e)
+            cells.append(f"{_per_rank(v, 'growth_mib')} ({_per_rank(v, 'growth_mib', a, '{:.1f}')})"
+                         if isinstance(v, list) else f"n/a ({v})")
+        ratios = []
+        for key in ("growth_mib", "peak"):
+            o, t = (_max(r["results"].get(e), key) for e in ("ours", "torch"))
+            ratios.append(f"{o / t:.2f}" if o is not None and t else "n/a")
+        held = [_per_rank(r["results"][e], "held_mib") if isinstance(r["results"].get(e), list) else "n/a"
+                for e in ("ours", "torch")]
+        lines.append(f"| {r['schedule']} | {r['pp']} | {r['m']} | {cells[0]} | {cells[1]} | {ratios[0]} | "
+                     f"{held[0]} | {held[1]} | {ratios[1]} |")
+    return "\n".join(lines)
+
+
+def extra_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | variant | schedule | pp | m | growth MiB (A) per rank | held MiB per rank | "
+             "peak MiB per rank | step (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for v, recs in r["results"].items():
+            head = f"| {r['model']} | {v} | {r['schedule']} | {r['pp']} | {r['m']} |"
+            if not isinstance(recs, list):
+                lines.append(f"{head} n/a ({recs}) | | | |")
+                continue
+            a = r["act_mib"]
+            lines.append(f"{head} {_per_rank(recs, 'growth_mib')} ({_per_rank(recs, 'growth_mib', a, '{:.1f}')}) | "
+                         f"{_per_rank(recs, 'held_mib')} | {_per_rank(recs, 'peak')} | "
+                         f"{statistics.median(x['step_s'] for x in recs):.3f} |")
+    return "\n".join(lines)
+
+
+def gpt_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| layers given as | rank | params on rank (M) | growth by end of build MiB | peak growth MiB | "
+             "peak growth / full model's 16 B/param | rank's own share of it | step (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        full = r["full_state_bytes"]
+        if not isinstance(r["results"], list):
+            lines.append(f"| {r['variant']} | n/a ({r['results']}) | | | | | | |")
+            continue
+        for x in sorted(r["results"], key=lambda x: x["rank"]):
+            lines.append(f"| {r['variant']} | {x['rank']} | {x['local_params'] / 1e6:.1f} | "
+                         f"{x['build_peak_mib'] - x['start_mib']:.0f} | {x['growth_mib']:.0f} | "
+                         f"{x['growth_mib'] * MIB / full:.2f} | {x['local_params'] * 16 / full:.2f} | "
+                         f"{statistics.median(x['step_s']):.2f} |")
+    return "\n".join(lines)
+
+
+def engine_options() -> tuple[bool, bool]:
+    """Does PipelineEngine take checkpoint= and precision= (the extra rows need them)?"""
+    params = inspect.signature(PipelineEngine.__init__).parameters
+    return "checkpoint" in params, "precision" in params
+
+
+def gpt_full_params(cfg: gpt.Config) -> int:
+    """Parameters of the whole model, the tied head counted once (built on meta: allocates nothing)."""
+    with torch.device("meta"):
+        layers = gpt.build(cfg)
+    return sum(p.numel() for p in {id(p): p for m in layers for p in m.parameters()}.values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="pp 2, m 4 and 16, A = 4 MiB, 1 measured step, small GPT at pp 2 (overrides --pp, "
+                        "--microbatches, --act-mib)")
+    p.add_argument("--pp", nargs="+", type=int, default=[2, 4])
+    p.add_argument("--microbatches", nargs="+", type=int, default=[4, 16, 64])
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zb-h1"], choices=list(TORCH_SCHEDULES))
+    p.add_argument("--act-mib", type=int, default=16, help="A: MiB of one microbatch's activation (float32)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up step (2; --quick: 1)")
+    p.add_argument("--no-extra", action="store_true", help="skip the bf16 and checkpointing rows")
+    p.add_argument("--no-gpt", action="store_true", help="skip the big GPT section")
+    p.add_argument("--gpt-layers", choices=["auto", "factories", "modules", "both"], default=None,
+                   help="how the GPT is given to the engine (auto: factories if models.gpt has them, else "
+                        "modules; default both, --quick: auto)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--write-readme", action="store_true", help="rewrite the memory section of benchmarks/README.md")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "memory.jsonl"))
+    # worker-only arguments (set by the launcher)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="boundary", help=argparse.SUPPRESS)
+    p.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    p.add_argument("-m", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--variants", nargs="+", default=["ours"], help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gpt-config", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--gpt-batch", type=int, default=1, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a, Probe(torch.device("cpu")).current())   # RSS right after importing torch and this script
+        return
+
+    if a.quick:
+        a.pp, a.microbatches, a.act_mib = [2], [4, 16], 4
+    a.steps = a.steps or (1 if a.quick else 2)
+    a.gpt_layers = a.gpt_layers or ("auto" if a.quick else "both")
+    t0 = time.time()
+    notes: list[str] = []
+    has_ckpt, has_prec = engine_options()
+    common = ["--act-mib", str(a.act_mib), "--steps", str(a.steps), "--timeout", str(a.timeout)]
+
+    # 1. the matrix, both engines (plus ours in bf16 on 1f1b at the largest m, in the same launch)
+    matrix, extras = [], []
+    for pp in a.pp:
+        for sched in a.schedules:
+            for m in a.microbatches:
+                variants = ["ours", "torch"]
+                bf16 = not a.no_extra and has_prec and sched == "1f1b" and m == max(a.microbatches)
+                if bf16:
+                    variants.append("ours:precision=bf16")
+                res = run_config(pp, variants, ["--model", "boundary", "--schedule", sched, "-m", str(m), *common],
+                                 a.timeout)
+                row = {"section": "matrix", "model": "boundary", "schedule": sched, "pp": pp, "m": m,
+                       "act_mib": a.act_mib, "steps": a.steps, "torch_schedule": TORCH_SCHEDULES[sched]}
+                matrix.append(dict(row, results={k: res[k] for k in ("ours", "torch")}))
+                if bf16:
+                    extras.append(dict(row, section="extra", results={"ours:precision=bf16": res[variants[2]]}))
+    if not a.no_extra and not has_prec:
+        notes.append("bf16 rows skipped: engine has no precision= argument yet")
+
+    # 2. checkpointing on the deep model (ours only): same schedule and m, with and without
+    if not a.no_extra:
+        if has_ckpt:
+            m = sorted(a.microbatches)[len(a.microbatches) // 2]   # the middle m (16): deep stages hold 5 A each
+            for pp in a.pp:
+                for sched in (["1f1b"] if a.quick else ["1f1b", "gpipe"]):
+                    res = run_config(pp, ["ours", "ours:checkpoint=full"],
+                                     ["--model", "deep", "--schedule", sched, "-m", str(m), *common], a.timeout)
+                    extras.append({"section": "extra", "model": f"deep ({DEEP_LAYERS} relu layers/stage)",
+                                   "schedule": sched, "pp": pp, "m": m, "act_mib": a.act_mib, "steps": a.steps,
+                                   "results": res})
+        else:
+            notes.append("checkpoint rows skipped: engine has no checkpoint= argument yet")
+    for r in matrix + extras:
+        for recs in r["results"].values():
+            if isinstance(recs, list):
+                for x in recs:
+                    x["peak"] = x["held_mib"] + x["growth_mib"]
+
+    # 3. big GPT: factories when models.gpt provides them (per-stage construction), modules for comparison
+    gpt_rows: list[dict[str, Any]] = []
+    if not a.no_gpt:
+        cfg_kw: dict[str, Any]
+        if a.quick:
+            cfg_kw, gpt_pp = {"n_layer": 4, "n_head": 8, "n_embd": 512, "block_size": 64}, 2
+        else:
+            cfg_kw, gpt_pp = {"n_layer": 12, "n_head": 16, "n_embd": 1024, "block_size": 64}, 4
+        ways = {"auto": ["factories" if hasattr(gpt, "layer_factories") else "modules"],
+                "both": ["factories", "modules"] if hasattr(gpt, "layer_factories") else ["modules"],
+                "factories": ["factories"], "modules": ["modules"]}[a.gpt_layers]
+        if not hasattr(gpt, "layer_factories"):
+            notes.append("models.gpt has no layer_factories yet: the GPT is given as modules (every rank builds all)")
+        full = gpt_full_params(gpt.Config(**cfg_kw)) * 16
+        for way in ways:
+            res = run_config(gpt_pp, [way], ["--model", "gpt", "-m", "4", "--steps", "2", "--timeout", str(a.timeout),
+                                             "--gpt-config", json.dumps(cfg_kw)], a.timeout)
+            gpt_rows.append({"section": "gpt", "variant": way, "pp": gpt_pp, "m": 4, "gpt_config": cfg_kw,
+                             "full_params": full // 16, "full_state_bytes": full, "results": res[way]})
+
+    elapsed = time.time() - t0
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    if os.path.exists(a.out):
+        shutil.move(a.out, a.out + ".prev")
+    with open(a.out, "w") as fh:
+        for r in matrix + extras + gpt_rows:
+            fh.write(json.dumps(r) + "\n")
+
+    cmd = " ".join(["python benchmarks/memory.py", *(x for x in sys.argv[1:] if x != "--write-readme")])
+    text = [f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {elapsed:.0f} s, "
+            f"{'CUDA' if torch.cuda.is_available() else '2-core machine, Gloo on CPU'}, "
+            f"A = {a.act_mib} MiB, {a.steps} measured step{'s' if a.steps > 1 else ''} after 1 warm-up; MiB per rank, "
+            f"rank 0 first).", "",
+            matrix_table(matrix)]
+    if extras:
+        text += ["", extra_table(extras)]
+    if gpt_rows:
+        g = gpt_rows[0]
+        text += ["", f"Big GPT ({g['gpt_config']}, {g['full_params'] / 1e6:.1f} M parameters, full fp32 param + grad "
+                 f"+ AdamW = {g['full_state_bytes'] / 2**30:.2f} GiB), pp = {g['pp']}, 1f1b, m = 4, 2 AdamW steps; "
+                 f"growth over each rank's RSS at process start (after importing torch and warm_process()):", "",
+                 gpt_table(gpt_rows)]
+    if notes:
+        text += [""] + [f"Note: {n}." for n in notes]
+    print("\n".join(text))
+    print(f"\n({elapsed:.0f} s; JSON lines in {os.path.relpath(a.out, ROOT)})")
+    if a.write_readme:
+        readme = os.path.join(HERE, "README.md")
+        with open(readme) as fh:
+            doc = fh.read()
+        if BEGIN not in doc or END not in doc:
+            doc = doc.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
+        head, rest = doc.split(BEGIN, 1)
+        with open(readme, "w") as fh:
+            fh.write(head + BEGIN + "\n" + "\n".join(text) + "\n" + END + rest.split(END, 1)[1])
+
+
+if __name__ == "__main__":
+    main()
