@@ -115,7 +115,8 @@ def engine_profile(schedule: str, m: int, steps: int) -> tuple[Records, list[flo
             _time_python_before_first_op(engine, delays)
         res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
         if step >= 2:
-            mine.append([(r.kind, r.microbatch, r.start + engine.clock._t0, r.end + engine.clock._t0) for r in res.records])
+            t0 = engine.clock._t0
+            mine.append([(r.kind, r.microbatch, r.start + t0, r.end + t0) for r in res.records])
     del engine.wire.post, engine.wire._issue   # unwrap: no reference cycle keeps the engine (and its groups) alive
     del engine
     gc.collect()
