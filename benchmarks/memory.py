@@ -77,6 +77,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import models.gpt as gpt  # noqa: E402
+from benchmarks.efficiency import _median_step as _timed_steps  # noqa: E402
 from pipeengine.engine import PipelineEngine  # noqa: E402
 from pipeengine.topology import Topology  # noqa: E402
 
@@ -173,17 +174,6 @@ def _variant_kwargs(variant: str) -> dict[str, Any]:
 
 def _key(variant: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", variant)
-
-
-def _timed_steps(step: Callable[[], Any], steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _build_ours(variant: str, a: argparse.Namespace, device: torch.device,

@@ -80,3 +80,19 @@ def test_overhead_script_smoke() -> None:
     for line in ("batch_isend_irecv", "dist.isend", "group.send", "part 2: our engine, 1f1b, pp=2, m=4",
                  "rank 1: B ", "hop latency, ", "Python before a batch's first op reaches Gloo"):
         assert line in proc.stdout, (line, proc.stdout)
+
+
+@pytest.mark.timeout(240)
+def test_memory_smoke(tmp_path: Path) -> None:
+    """benchmarks/memory.py measures both engines in fresh processes: ours flat in m, torch's buffers held."""
+    out = tmp_path / "m.jsonl"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--pp", "2", "--microbatches", "4", "12",
+           "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["schedule"], r["pp"], r["m"]) for r in rows] == [("1f1b", 2, 4), ("1f1b", 2, 12)]
+    ours = [[rank["growth_mib"] for rank in r["results"]["ours"]] for r in rows]
+    assert all(abs(a - b) <= 1.0 for a, b in zip(*ours)), ours          # flat in m (MiB, page rounding)
+    held = [max(rank["held_mib"] for rank in r["results"]["torch"]) for r in rows]
+    assert held[1] > held[0] + 8 * 2 * 0.9, held                       # torch: a receive buffer per microbatch
