@@ -124,7 +124,7 @@ def measure_costs(layers: Sequence[nn.Module], sample_input: Any, repeats: int =
             inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
                            for t in inputs)
             t0 = time.perf_counter()
-            out = layer(*inputs)
+            out = layer(inputs if isinstance(x, tuple) else inputs[0])   # one argument, as nn.Sequential
             outs = out if isinstance(out, tuple) else (out,)
             floats = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
             if floats:
