@@ -220,20 +220,21 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
     assert md is not None
     sd: dict[str, Any] = dict(_model_entries(engine))
     keys = _param_keys(engine)
-    optim: dict[int, dict[str, str]] = {}   # param id -> state name -> key
+    saved: dict[str, dict[str, str]] = {}   # parameter key -> state name -> checkpoint key (one pass)
+    for key in md.state_dict_metadata:
+        if key.startswith("optim."):
+            param_key, _, name = key[len("optim."):].rpartition(".")
+            saved.setdefault(param_key, {})[name] = key
     aliases = {f"layers.{i}.{n}": [f"layers.{j}.{m}" for j, m in tie] for tie in engine.tied for i, n in tie}
+    optim: dict[int, dict[str, str]] = {}   # param id -> state name -> key
     for p in engine.parameters:
         # a tied parameter's state may have been saved under another copy's key (another partition)
-        candidates = [keys[id(p)], *aliases.get(keys[id(p)], [])]
-        prefix = next((f"optim.{k}." for k in candidates
-                       if any(m.startswith(f"optim.{k}.") for m in md.state_dict_metadata)), f"optim.{candidates[0]}.")
-        for key, meta in md.state_dict_metadata.items():
-            if key.startswith(prefix):
-                name = key[len(prefix):]
-                optim.setdefault(id(p), {})[name] = key
-                sd[key] = (torch.empty(tuple(meta.size), dtype=meta.properties.dtype,
-                                       device="cpu" if name == "step" else p.device)
-                           if hasattr(meta, "size") else None)
+        found = next((saved[k] for k in [keys[id(p)], *aliases.get(keys[id(p)], [])] if k in saved), {})
+        optim[id(p)] = found
+        for name, key in found.items():
+            meta = md.state_dict_metadata[key]
+            sd[key] = (torch.empty(tuple(meta.size), dtype=meta.properties.dtype,
+                                   device="cpu" if name == "step" else p.device) if hasattr(meta, "size") else None)
     sd["train.step"] = torch.tensor(0)
     sd["train.loss_scale"] = torch.tensor(1.0, dtype=torch.float64)
     same_world = info.get("world_size") == engine.topology.world_size
@@ -247,7 +248,7 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path!r} could not be read (damaged or truncated file?): "
                               f"{str(exc).splitlines()[0][:300]}") from None
     for p in engine.parameters:
-        if id(p) in optim:
+        if optim[id(p)]:
             engine.optimizer.state[p] = {name: sd[key] for name, key in optim[id(p)].items()}
     engine.loss_scale = float(sd["train.loss_scale"])
     for k in rng_keys:

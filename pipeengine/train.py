@@ -25,7 +25,7 @@ from .checkpoint import latest, load, save
 from .engine import PipelineEngine, StepResult
 from .metrics import MetricsWriter, chrome_trace, compute_breakdown, gather_records, measured_bubble
 from .schedule import SCHEDULES, Costs, simulate, theoretical_bubble
-from .stage import parse_checkpoint
+from .stage import PRECISIONS, parse_checkpoint
 from .topology import Topology
 
 __all__ = ["TrainConfig", "parse_args", "main"]
@@ -79,8 +79,8 @@ class TrainConfig:
                              f"{', '.join(s for s in SCHEDULES if s != 'forward')}")
         if self.chunks == 0:
             self.chunks = 2 if self.schedule == "interleaved-1f1b" else 1
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"--precision {self.precision!r} is not one of fp32, bf16, fp16")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         try:
             parse_checkpoint(self.checkpoint)
         except ValueError as exc:
@@ -154,7 +154,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--checkpoint", default=d.checkpoint, metavar="none|full|every:K",
                    help="activation checkpointing per chunk: recompute its layers (full) or every K layers in B "
                         "instead of keeping their activations (default none)")
-    p.add_argument("--precision", default=d.precision, choices=("fp32", "bf16", "fp16"),
+    p.add_argument("--precision", default=d.precision, choices=list(PRECISIONS),
                    help="bf16: autocast, activations between stages in bf16, fp32 parameters, gradients and "
                         "optimizer state; fp16: the same with a dynamic loss scale, CUDA only (default fp32)")
     p.add_argument("--save-interval", type=int, default=d.save_interval, metavar="N",
