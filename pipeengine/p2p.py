@@ -282,9 +282,9 @@ class Wire:
         return tr.tensors if packed else tr.tensors[0]
 
     def poll(self) -> None:
-        """Release the buffers of sends known to have completed (never waits; see ``take``)."""
-        self._sends = [tr for tr in self._sends
-                       if not (tr.done or (tr.works and all(w.is_completed() for w in tr.works)))]
+        """Release sends known to be complete (never waits): waited on, or finished on NCCL (Gloo's works can't say)."""
+        self._sends = [tr for tr in self._sends if not (tr.done or (
+            self.coalesce and tr.works and all(w.is_completed() for w in tr.works)))]
 
     def finish(self) -> None:
         """Wait until every send of the step completed and release it."""
