@@ -8,11 +8,15 @@ interleaved and zero-bubble differ only in data.
 Words: a *position* is a rank's index in its pipeline (0..pp-1); a *stage* is a virtual stage
 ``chunk * pp + position``; a *replica* is a rank's index among the DP copies of its position.
 
-[Note: when gradients are synced]
+[Note: the end of a step]
 The DP all-reduce of a rank's gradients starts right after the last backward (B or W) in its
 program, asynchronously, so it overlaps the cooldown of the other stages; it is awaited after
-the program ends. Tied copies are then summed over their tie group, the global norm is taken
-once per logical parameter, and the optimizer steps on every rank with identical inputs.
+the program ends. Tied copies are then summed over their tie group. One all-reduce over the
+pipeline then carries the squared gradient norm (once per logical parameter), the loss and, per
+stage, whether its outputs or gradients went non-finite; the loss is averaged over the replicas.
+Every rank thus takes the same decision: step, skip (``on_nonfinite="skip"``: parameters,
+optimizer state and buffers unchanged) or raise :class:`NonFiniteError` naming the first stage
+that went non-finite (``"stop"``). Every wait is timed and watched (faults.py).
 """
 
 from __future__ import annotations
@@ -26,17 +30,22 @@ import torch.distributed as dist
 from torch import nn
 
 from .actions import Action, Kind, Schedule, Step
-from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, sync_tied
-from .layers import LayerSpec, build_layer, share_tied, sizing_layers
+from .faults import STARTUP_TIMEOUT, PeerFailed, WaitTimeout, adaptive_timeout, watch
+from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, grad_sq_norm
+from .layers import LayerSpec, build_layer, fingerprint, model_mismatch, share_tied, sizing_layers
 from .metrics import ActionClock, ActionRecord, Phase
 from .p2p import Wire
 from .partition import partition as partition_layers
 from .schedule import compile_schedule
 from .simulate import Costs, validate
-from .stage import LayerChain, StageChunk
+from .stage import LayerChain, LayerError, StageChunk
 from .topology import ProcessGroups, Topology, build_groups
 
-__all__ = ["PipelineEngine", "StepResult"]
+__all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradients went non-finite (``on_nonfinite="stop"``); raised on every rank alike."""
 
 
 @dataclass
@@ -49,7 +58,8 @@ class StepResult:
     records: list[ActionRecord] = field(default_factory=list)
     peak_stored: dict[int, int] = field(default_factory=dict)   # stage -> peak microbatches held
     outputs: list[Any] | None = None                            # eval on the last stage, if asked
-    skipped: bool = False                                       # fp16: non-finite gradients, step skipped
+    skipped: bool = False                                       # no optimizer step (non-finite, see below)
+    nonfinite: bool = False                                     # the loss or gradients were non-finite
 
 
 @dataclass
@@ -101,6 +111,10 @@ class PipelineEngine:
         precision: "fp32", "bf16" (autocast, bf16 activations between stages, fp32 parameters,
             gradients and optimizer state) or "fp16" (the same with a dynamic loss scale).
         wire: "tags" (Gloo default) or "strict" (NCCL's per-peer order emulated on Gloo), see p2p.py.
+        timeout: seconds any wait may take (default None: 600 s until the first step was timed,
+            then max(60 s, 20 x the median step)); see faults.py for what happens then.
+        on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or
+            "skip" (no update for that step; counted in ``skipped_steps``).
         validate_schedule: prove a given Schedule before running it (turn off only to test faults).
     """
 
@@ -109,9 +123,9 @@ class PipelineEngine:
                  topology: Topology | None = None, schedule: str | Schedule = "1f1b", microbatches: int = 4,
                  chunks: int = 1, partition: str | Sequence[int] = "parameters",
                  tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
-                 device: torch.device | None = None, timeout: float = 300.0, validate_schedule: bool = True,
+                 device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, costs: Costs | None = None, seed: int = 0, checkpoint: str = "none",
-                 precision: str = "fp32", wire: str = "tags") -> None:
+                 precision: str = "fp32", wire: str = "tags", on_nonfinite: str = "stop") -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -128,6 +142,16 @@ class PipelineEngine:
         self.precision = precision
         if precision == "fp16" and self.device.type != "cuda":
             raise ValueError("precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU")
+        if on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip' (got {on_nonfinite!r})")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds (got {timeout})")
+        self.on_nonfinite = on_nonfinite
+        self.watch = watch()
+        self._fixed_timeout = timeout
+        self.watch.timeout = timeout or STARTUP_TIMEOUT
+        self._step_times: list[float] = []
+        self.skipped_steps = 0
 
         if isinstance(schedule, Schedule):
             if schedule.pp != pp:
@@ -143,10 +167,7 @@ class PipelineEngine:
 
         specs = list(layers)
         sizing = sizing_layers(specs)
-        if isinstance(partition, str):
-            self.bounds = partition_layers(sizing, num_stages, partition)
-        else:
-            self.bounds = partition_layers(sizing, num_stages, boundaries=list(partition))
+        self.bounds = self._agree(sizing, seed, num_stages, partition)
         del sizing
         self.num_layers = len(specs)
         stage_of_layer = {i: s for s in range(num_stages) for i in range(self.bounds[s], self.bounds[s + 1])}
@@ -176,18 +197,24 @@ class PipelineEngine:
 
         self.chunks: list[StageChunk] = []
         for s in my_stages:
-            module = LayerChain([mine[i] for i in range(self.bounds[s], self.bounds[s + 1])]).to(self.device)
+            module = LayerChain([mine[i] for i in range(self.bounds[s], self.bounds[s + 1])], self.bounds[s])
+            module = module.to(self.device)
             self.chunks.append(StageChunk(module, s, num_stages, loss_fn, self.microbatches, checkpoint, precision))
         del mine
         self.parameters: list[nn.Parameter] = list({id(p): p for ch in self.chunks
                                                    for p in ch.module.parameters()}.values())
+        owner = {id(p): c for c in reversed(range(len(self.chunks))) for p in self.chunks[c].module.parameters()}
+        self._chunk_params = [[p for p in self.parameters if owner[id(p)] == c] for c in range(len(self.chunks))]
         self._buffers = [b for ch in self.chunks for b in ch.module.buffers()]
         self._broadcast_initial_state()
         self.optimizer = optimizer(self.parameters)
         self.grad_clip = grad_clip
-        self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, bucket_mb, timeout)
+        self._dp_peers = [self.topology.rank(self.position, r) for r in range(self.topology.dp) if r != self.replica]
+        self._pp_peers = [self._global(q) for q in range(pp) if q != self.position]
+        self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, self.watch,
+                                  self._dp_peers, bucket_mb)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c), num_stages,
-                         self.microbatches, timeout=timeout, mode=wire)
+                         self.microbatches, mode=wire, watcher=self.watch)
         self.clock = ActionClock(self.rank, self.device)
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = self.eval_schedule.programs[self.position]
@@ -199,6 +226,30 @@ class PipelineEngine:
         self.step_count = 0
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _agree(self, sizing: list[nn.Module], seed: int, num_stages: int,
+               partition: str | Sequence[int]) -> list[int]:
+        """Check that every rank was given the same model (one all-gather of fingerprints), then take
+        rank 0's stage bounds (computed once, broadcast; an error in them is raised on every rank)."""
+        mine = (seed, [fingerprint(m) for m in sizing])
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        mismatch = model_mismatch(everyone)
+        if mismatch:
+            raise ValueError(mismatch)
+        answer: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                if isinstance(partition, str):
+                    answer[0] = partition_layers(sizing, num_stages, partition)
+                else:
+                    answer[0] = partition_layers(sizing, num_stages, boundaries=list(partition))
+            except ValueError as exc:
+                answer[0] = str(exc)
+        dist.broadcast_object_list(answer, src=0)
+        if isinstance(answer[0], str):
+            raise ValueError(answer[0])
+        return list(answer[0])
 
     def _broadcast_initial_state(self) -> None:
         """Make DP replicas and tied copies start bit-identical (replica 0 / the tie's first entry wins)."""
@@ -227,37 +278,109 @@ class PipelineEngine:
         """One optimizer step over ``microbatches`` microbatches per replica; returns the global mean loss.
 
         ``data_iter`` yields ``(inputs, target)`` microbatches; only ranks holding the first or last
-        stage read it (inputs on the first, targets on the last), others may pass None.
+        stage read it (inputs on the first, targets on the last), others may pass None. An exception
+        on any rank ends the step on every rank (faults.py); see [Note: the end of a step].
         """
+        try:
+            result = self._train_batch(data_iter)
+        except BaseException as exc:
+            self._tell_the_others(exc)
+            raise
+        if self._fixed_timeout is None:   # the first step (start-up, warm-up) does not count
+            self._step_times = (self._step_times + [result.step_time])[-50:] if self.step_count > 1 else [0.0]
+            self.watch.timeout = adaptive_timeout(self._step_times[1:]) if self.step_count > 1 else STARTUP_TIMEOUT
+        return result
+
+    def _train_batch(self, data_iter: Iterator[Any] | None) -> StepResult:
         for ch in self.chunks:
             ch.module.train()
             ch.loss_scale = self.loss_scale
         self.optimizer.zero_grad(set_to_none=True)
+        buffers = [b.clone() for b in self._buffers] if self.on_nonfinite == "skip" else []
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
         sync_start = self.clock.mark()
+        self.watch.doing = "the end-of-step gradient sync"
         self.grad_sync.finish()
         for p, group, _ in self._ties:
-            sync_tied(p, group)
-        last = self.chunks[-1]
-        replica_loss = sum(float(x) for x in last.losses) if last.is_last else 0.0
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._wait(dist.all_reduce(p.grad, group=group, async_op=True), "the tied-gradient sum",
+                       dist.get_process_group_ranks(group))
         if self.loss_scale != 1.0:
             for p in self.parameters:
                 if p.grad is not None:
                     p.grad.div_(self.loss_scale)
-        result.grad_norm, replica_loss = clip_grad_norm(self.parameters, self.grad_clip, self.groups.pp_group,
-                                                        self._norm_skip, carry=replica_loss)
-        result.skipped = self.loss_scale != 1.0 and not math.isfinite(result.grad_norm)
-        if not result.skipped:
+        # one all-reduce over the pipeline: squared norm, loss, per stage (non-finite outputs, gradients)
+        last = self.chunks[-1]
+        stages = self.schedule.num_stages
+        vec = torch.zeros(2 + 2 * stages, dtype=torch.float64, device=self.device)
+        for ch, params in zip(self.chunks, self._chunk_params):
+            sq = grad_sq_norm(params)
+            vec[0] += grad_sq_norm(params, self._norm_skip) if self._norm_skip & {id(p) for p in params} else sq
+            vec[2 + 2 * ch.stage:4 + 2 * ch.stage] += ch.nonfinite
+            vec[3 + 2 * ch.stage] += (~torch.isfinite(sq)).double()
+        if last.is_last:
+            vec[1] = torch.stack(last.losses).double().sum()
+        if self.topology.pp > 1:
+            self._wait(dist.all_reduce(vec, group=self.groups.pp_group, async_op=True),
+                       "the end-of-step all-reduce", self._pp_peers)
+        values = vec.tolist()
+        result.grad_norm = math.sqrt(values[0])
+        result.loss = self._mean_over_replicas(values[1])
+        overflow = self.loss_scale != 1.0 and not math.isfinite(result.grad_norm)   # fp16: expected now and then
+        result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
+        if result.nonfinite and self.on_nonfinite == "stop":
+            raise NonFiniteError(self._nonfinite_message(result, values[2:]))
+        result.skipped = overflow or result.nonfinite
+        if result.skipped:
+            self.skipped_steps += result.nonfinite
+            with torch.no_grad():
+                for b, saved in zip(self._buffers, buffers):
+                    b.copy_(saved)
+        else:
+            clip_grad_norm(self.parameters, self.grad_clip, result.grad_norm)
             self.optimizer.step()
-        self._update_loss_scale(result.skipped)
+        self._update_loss_scale(overflow)
         if self.topology.dp > 1 and self._buffers:
-            broadcast_buffers(self._buffers, self.topology.rank(self.position, 0), self.groups.dp_group)
-        result.loss = self._mean_over_replicas(replica_loss)
+            broadcast_buffers(self._buffers, self.topology.rank(self.position, 0), self.groups.dp_group,
+                              lambda w: self._wait(w, "the buffer broadcast", self._dp_peers))
         self.clock.add(self.chunks[0].stage, Phase.SYNC, -1, sync_start, self.clock.mark())
         result.records = self.clock.records()
         result.step_time = max(r.end for r in result.records)
         self.step_count += 1
         return result
+
+    def _nonfinite_message(self, result: StepResult, flags: list[float]) -> str:
+        """Where the step went non-finite: the first stage with a non-finite output, else the last with gradients."""
+        def layers(s: int) -> str:
+            return f"layers {self.bounds[s]}..{self.bounds[s + 1] - 1}, rank {self._global(self.schedule.placement(s)[0])}"
+        stages = range(self.schedule.num_stages)
+        out = [s for s in stages if flags[2 * s] > 0]
+        grad = [s for s in stages if flags[2 * s + 1] > 0]
+        if out:
+            where = f"the first non-finite forward output came from stage {out[0]} ({layers(out[0])})"
+        elif grad:
+            where = f"the forward was finite; the backward went non-finite first in stage {grad[-1]} ({layers(grad[-1])})"
+        else:
+            where = "the stage outputs and gradients were finite: the loss function returned it"
+        return (f"step {self.step_count}: loss {result.loss:g}, gradient norm {result.grad_norm:g}: {where} "
+                f"(replica {self.replica}'s view). Skip such steps with on_nonfinite='skip' (--on-nonfinite skip), "
+                f"or lower the learning rate")
+
+    def _tell_the_others(self, exc: BaseException) -> None:
+        """Publish this rank's failure to every rank (faults.py) unless every rank raises it alike."""
+        if isinstance(exc, (NonFiniteError, PeerFailed, WaitTimeout)):
+            return
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        ours = tb is not None and "pipeengine" in tb.tb_frame.f_code.co_filename
+        input_error = isinstance(exc, LayerError) or (ours and isinstance(exc, (ValueError, TypeError)))
+        self.watch.fail(exc, f"error: rank {self.rank} ({self.watch.context}) failed in {self.watch.doing}: "
+                             f"{type(exc).__name__}: {exc}", input_error)
+
+    def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
+        self.watch.wait(work, what, peers, cuda=self.device.type == "cuda")
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any] | None, return_outputs: bool = False) -> StepResult:
@@ -267,8 +390,12 @@ class PipelineEngine:
         """
         for ch in self.chunks:
             ch.module.eval()
-        result = self._run(self.eval_program, data_iter, train=False, keep_outputs=return_outputs)
-        result.loss = self._global_loss()
+        try:
+            result = self._run(self.eval_program, data_iter, train=False, keep_outputs=return_outputs)
+            result.loss = self._global_loss()
+        except BaseException as exc:
+            self._tell_the_others(exc)
+            raise
         if return_outputs and self.chunks[-1].is_last:
             result.outputs = [self.chunks[-1].outputs[k] for k in sorted(self.chunks[-1].outputs)]
         result.records = self.clock.records()
@@ -307,6 +434,8 @@ class PipelineEngine:
 
     def _run(self, program: list[Step], data_iter: Iterator[Any] | None, train: bool,
              keep_outputs: bool) -> StepResult:
+        self.watch.context = f"position {self.position}, replica {self.replica}, step {self.step_count}"
+        self.watch.doing = "reading the data"
         self.clock.start()
         for ch in self.chunks:
             ch.reset()
@@ -317,6 +446,7 @@ class PipelineEngine:
             if train and idx == self._last_backward:
                 self.grad_sync.start()
         start = self.clock.mark()
+        self.watch.doing = "waiting for the step's sends"
         self.wire.finish()
         self.clock.add(self.chunks[0].stage, Phase.WAIT, -1, start, self.clock.mark())
         return StepResult(loss=0.0, peak_stored=self.peak_stored)
@@ -341,6 +471,7 @@ class PipelineEngine:
         a = step[0]
         chunk = self.chunks[a.chunk]
         mb = a.microbatch
+        self.watch.doing = str(a) if len(step) == 1 else " ".join(map(str, step))
         if a.kind is Kind.F:
             if chunk.is_first:
                 x = st.inputs[mb]
@@ -370,7 +501,8 @@ class PipelineEngine:
         if self.topology.dp == 1:
             return replica_loss
         value = torch.tensor(replica_loss, dtype=torch.float64, device=self.device)
-        dist.all_reduce(value, group=self.groups.dp_group)
+        self._wait(dist.all_reduce(value, group=self.groups.dp_group, async_op=True), "the loss all-reduce",
+                   self._dp_peers)
         return float(value) / self.topology.dp
 
     def _global_loss(self) -> float:
@@ -380,5 +512,6 @@ class PipelineEngine:
         if last.is_last:
             value += sum(float(x) for x in last.losses)
         if self.topology.pp > 1:
-            dist.broadcast(value, src=self._global(self.topology.pp - 1), group=self.groups.pp_group)
+            self._wait(dist.broadcast(value, src=self._global(self.topology.pp - 1), group=self.groups.pp_group,
+                                      async_op=True), "the loss broadcast", self._pp_peers)
         return self._mean_over_replicas(float(value))

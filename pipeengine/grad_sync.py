@@ -1,16 +1,16 @@
-"""Gradient synchronisation: bucketed async DP all-reduce, tied-weight sums, global grad norm."""
+"""Gradient synchronisation: bucketed async DP all-reduce, buffer broadcast, global grad norm and clipping."""
 
 from __future__ import annotations
 
-import math
-from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradSync", "sync_tied", "broadcast_buffers", "clip_grad_norm"]
+from .faults import Watch
+
+__all__ = ["GradSync", "broadcast_buffers", "grad_sq_norm", "clip_grad_norm"]
 
 
 class GradSync:
@@ -21,11 +21,12 @@ class GradSync:
     One all-reduce per bucket (per dtype, up to ``bucket_mb`` MiB), never one per parameter.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: Any, size: int,
-                 bucket_mb: float = 25.0, timeout: float = 300.0) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, size: int, watcher: Watch,
+                 peers: Sequence[int] = (), bucket_mb: float = 25.0) -> None:
         self.group = group
         self.size = size
-        self.timeout = timeout
+        self.watch = watcher     # times the waits (faults.py)
+        self.peers = list(peers)  # the other ranks of the group (named when a wait times out)
         self.buckets: list[list[nn.Parameter]] = []
         limit = int(bucket_mb * 2**20)
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -60,11 +61,7 @@ class GradSync:
         if not self._pending:
             self.start()
         for bucket, flat, work in self._pending:
-            try:   # on CUDA the stream waits, not the host; NCCL's watchdog enforces the group's timeout
-                work.wait() if flat.is_cuda else work.wait(timeout=timedelta(seconds=self.timeout))
-            except RuntimeError as exc:
-                raise TimeoutError(f"data-parallel gradient all-reduce did not finish within {self.timeout:.0f} s "
-                                   f"(a replica of this stage is stuck or died): {exc}") from exc
+            self.watch.wait(work, "the data-parallel gradient all-reduce", self.peers, cuda=flat.is_cuda)
             flat /= self.size
             offset = 0
             for p in bucket:
@@ -78,60 +75,41 @@ class GradSync:
         self._pending.clear()
 
 
-def sync_tied(param: nn.Parameter, group: Any) -> None:
-    """Sum the gradients of one logical parameter held as copies on the ranks of ``group``.
-
-    Every copy then holds the full gradient, so identical optimizer steps keep the copies
-    bit-identical.
-    """
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    dist.all_reduce(param.grad, group=group)
-
-
-def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any) -> None:
+def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any,
+                      wait: Callable[[Any], None] | None = None) -> None:
     """Give every DP replica replica ``src``'s buffers (BatchNorm statistics), as DDP does; one flat
-    broadcast per dtype."""
+    broadcast per dtype (``wait``: how to wait for it, default blocking)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for b in buffers:
         by_dtype.setdefault(b.dtype, []).append(b)
     with torch.no_grad():
         for bs in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in bs])
-            dist.broadcast(flat, src=src, group=group)
+            work = dist.broadcast(flat, src=src, group=group, async_op=True)
+            wait(work) if wait is not None else work.wait()
             offset = 0
             for b in bs:
                 b.copy_(flat[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
 
 
-def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, group: Any,
-                   skip: set[int] | None = None, carry: float = 0.0) -> tuple[float, float]:
-    """Global L2 norm of all gradients of the pipeline, and clip them to ``max_norm`` (if given).
+def grad_sq_norm(params: Sequence[nn.Parameter], skip: set[int] | None = None) -> torch.Tensor:
+    """Sum of the squared gradient norms of ``params`` except ``skip`` (ids), float64, on their device.
 
-    Each rank sums the squares of its own parameters' gradients, excluding ``skip`` (ids of
-    tied copies that another rank counts), so every logical parameter is counted exactly once;
-    the sums are all-reduced over the pipeline ``group``. DP replicas hold equal gradients after
-    the DP all-reduce, so the norm is the same on every rank. ``carry`` rides along in the same
-    all-reduce (the engine sends the step's loss this way: one collective at the end of a step
-    instead of two); returns ``(norm, sum of carry over the group)``.
+    Per-tensor norms in the gradients' own dtype (one fused kernel, no float64 copies), combined in
+    float64. The engine all-reduces the sums over the pipeline, leaving out tied copies that another
+    rank counts (``skip``), so every logical parameter is counted once.
     """
-    skip = skip or set()
-    device = next((p.device for p in params), torch.device("cpu"))
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    grads = [p.grad.detach() for p in params if p.grad is not None and id(p) not in skip]
-    if grads:
-        # per-tensor norms in the gradients' own dtype (one fused kernel, no float64 copies),
-        # combined in float64
-        norms = torch._foreach_norm(grads)
-        total[0] = torch.stack([n.double() for n in norms]).pow(2).sum()
-    total[1] = carry
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    norm = math.sqrt(float(total[0]))
+    grads = [p.grad.detach() for p in params if p.grad is not None and id(p) not in (skip or ())]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=next((p.device for p in params), torch.device("cpu")))
+    return torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
+
+
+def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, norm: float) -> None:
+    """Scale the gradients so that their global norm ``norm`` becomes at most ``max_norm`` (None: leave them)."""
     if max_norm is not None and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
-    return norm, float(total[1])

@@ -11,12 +11,13 @@ factories are run on the ``meta`` device for that, which allocates nothing.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "layer_seed", "build_layer", "build_layers", "sizing_layers", "share_tied"]
+__all__ = ["LayerSpec", "layer_seed", "build_layer", "build_layers", "sizing_layers", "share_tied", "fingerprint",
+           "model_mismatch"]
 
 LayerSpec = Union[nn.Module, Callable[[], nn.Module]]
 """One entry of a model's layer list: a built module, or a zero-argument factory building it."""
@@ -85,3 +86,32 @@ def share_tied(layers: dict[int, nn.Module], tie: Sequence[tuple[int, str]]) -> 
                              f"{first.dtype}, layer {i} {name} is {tuple(old.shape)} {old.dtype}")
         setattr(owner, pname, first)
     return [first]
+
+
+def fingerprint(layer: nn.Module) -> str:
+    """What identifies a layer across ranks: its type and its parameters' names, shapes and dtypes."""
+    params = ", ".join(f"{n} {tuple(p.shape)}" + ("" if p.dtype == torch.float32 else f" {p.dtype}")
+                       for n, p in layer.named_parameters())
+    return f"{type(layer).__qualname__}({params})"
+
+
+def model_mismatch(fingerprints: Sequence[tuple[int, list[str]]]) -> str | None:
+    """Compare every rank's ``(seed, layer fingerprints)``; None if all agree, else what differs and where."""
+    def ranks(rs: list[int]) -> str:
+        return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+    def split(key: Any) -> str:
+        groups: dict[Any, list[int]] = {}
+        for r, fp in enumerate(fingerprints):
+            groups.setdefault(key(fp), []).append(r)
+        return " but ".join(f"{v} on {ranks(rs)}" for v, rs in groups.items())
+
+    hint = "; every rank must be given the same layer list (same code, model, preset and seed)"
+    if len({s for s, _ in fingerprints}) > 1:
+        return f"the ranks were given different seeds: {split(lambda fp: fp[0])}{hint}"
+    if len({len(f) for _, f in fingerprints}) > 1:
+        return f"the ranks were given layer lists of different length: {split(lambda fp: len(fp[1]))} layers{hint}"
+    for i in range(len(fingerprints[0][1])):
+        if len({f[i] for _, f in fingerprints}) > 1:
+            return f"the ranks were given different models: layer {i} is {split(lambda fp: fp[1][i])}{hint}"
+    return None

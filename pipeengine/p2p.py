@@ -32,13 +32,13 @@ completion only once waited on; ``poll()`` after every action releases what repo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .actions import Action, Kind, Step
+from .faults import Watch, WaitTimeout, watch
 
 __all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "flatten", "MAX_TAG"]
 
@@ -50,8 +50,8 @@ DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, 
 Tensors = tuple[torch.Tensor, ...]
 
 
-class P2PTimeout(RuntimeError):
-    """A transfer did not complete in time; the message names the op, the peer and the wait."""
+class P2PTimeout(WaitTimeout):
+    """A transfer did not complete in time; the message names the op, the peer, the wait and who waits on whom."""
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,12 @@ class Wire:
         num_stages, microbatches: sizes of the schedule (they bound the tag space).
         mode: ``tags`` or ``strict`` (Gloo); ignored with ``coalesce`` (NCCL is strict by nature).
         coalesce: post each step as one ``batch_isend_irecv`` (default: when the backend is NCCL).
+        watcher: the :class:`~pipeengine.faults.Watch` that times every wait (default: the group's).
     """
 
     def __init__(self, device: torch.device, global_rank: Callable[[int], int], stage_of: Callable[[int], int],
-                 num_stages: int, microbatches: int, *, timeout: float = 300.0, mode: str = "tags",
-                 coalesce: bool | None = None, group: Any = None) -> None:
+                 num_stages: int, microbatches: int, *, mode: str = "tags", coalesce: bool | None = None,
+                 group: Any = None, watcher: Watch | None = None) -> None:
         if mode not in ("tags", "strict"):
             raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
         if coalesce is None:
@@ -140,7 +141,8 @@ class Wire:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
                              f"Gloo's {MAX_TAG}; use fewer microbatches or the 'strict' wire mode (one tag per pair)")
         self.device, self.global_rank, self.stage_of, self.num_stages = device, global_rank, stage_of, num_stages
-        self.timeout, self.mode, self.coalesce, self.group = timeout, mode, coalesce, group
+        self.mode, self.coalesce, self.group = mode, coalesce, group
+        self.watch = watcher   # times every wait (faults.py); default: the process group's
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self._group_rank: dict[int, int] = {}
@@ -252,16 +254,12 @@ class Wire:
     def _complete(self, tr: _Transfer) -> None:
         if tr.done:
             return
-        label = f"{tr.action} on rank {dist.get_rank() if dist.is_initialized() else 0}"
-        for w in tr.works:
-            why = ""
-            try:   # on CUDA the compute stream waits, not the host (see [Note: modes])
-                ok = w.wait() if self.device.type == "cuda" else w.wait(timeout=timedelta(seconds=self.timeout))
-            except RuntimeError as exc:
-                ok, why = False, ": " + (str(exc).splitlines() or [repr(exc)])[0]
-            if ok is False:
-                raise P2PTimeout(f"{label}: no completion after {self.timeout:g} s with peer rank {tr.peer} (the peer "
-                                 f"did not post the matching op: schedules out of order, or the peer failed){why}")
+        watcher = self.watch or watch()
+        for w in tr.works:   # on CUDA the compute stream waits, not the host (see [Note: modes])
+            try:
+                watcher.wait(w, str(tr.action), [tr.peer], cuda=self.device.type == "cuda")
+            except WaitTimeout as exc:
+                raise P2PTimeout(str(exc)) from None
         tr.done = True
 
     def take(self, kind: Kind, mb: int, chunk: int) -> Any:

@@ -43,23 +43,49 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-__all__ = ["LayerChain", "StageChunk", "PRECISIONS", "parse_checkpoint"]
+__all__ = ["LayerChain", "LayerError", "StageChunk", "PRECISIONS", "parse_checkpoint"]
 
 Tensors = tuple[torch.Tensor, ...]
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class LayerChain(nn.Module):
-    """Layers applied in order, one argument each, exactly as ``nn.Sequential`` does (a tuple stays a tuple)."""
+class LayerError(ValueError):
+    """A layer could not run on its input; the message names the layer, its stage and the input's shapes."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, message: str, layer: int) -> None:
+        super().__init__(message)
+        self.layer = layer
+
+
+class LayerChain(nn.Module):
+    """Layers applied in order, one argument each, exactly as ``nn.Sequential`` does (a tuple stays a tuple).
+
+    ``first`` is the model index of the first layer (for messages): a layer that raises on its
+    input (a shape or dtype it cannot take) raises :class:`LayerError` naming it and the input.
+    """
+
+    def __init__(self, layers: list[nn.Module], first: int = 0) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.first = first
 
     def forward(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
+        i = 0
+        try:
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            if isinstance(exc, (LayerError, torch.OutOfMemoryError)):
+                raise
+            raise LayerError(f"layer {self.first + i} ({type(self.layers[i]).__name__}) cannot take its input "
+                             f"{describe_value(x)}: {(str(exc).splitlines() or [''])[0]}", self.first + i) from exc
         return x
+
+
+def describe_value(x: Any) -> str:
+    """Shapes and dtypes of the tensors in ``x``, e.g. ``(4, 16) float32``."""
+    parts = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in _flat(x)]
+    return "[" + ", ".join(parts) + "]" if len(parts) != 1 else parts[0]
 
 
 def parse_checkpoint(spec: str) -> int | None:
@@ -111,14 +137,16 @@ class StageChunk:
         self.regions: list[LayerChain] | None = None
         if per is not None:
             size = per or len(layers)
-            self.regions = [LayerChain(layers[i:i + size]) for i in range(0, len(layers), size)]
+            self.regions = [LayerChain(layers[i:i + size], module.first + i) for i in range(0, len(layers), size)]
         self.saved: dict[int, _Saved] = {}
         self.peak_stored = 0
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
         self._params = tuple(p for p in module.parameters() if p.requires_grad)
+        self.nonfinite = torch.zeros(2)         # this step: (non-finite outputs or loss, non-finite input grads)
 
     def reset(self) -> None:
+        self.nonfinite = torch.zeros(2, dtype=torch.float64, device=_device_of((), self._params))
         self.saved.clear()
         self.losses.clear()
         self.outputs.clear()
@@ -145,7 +173,12 @@ class StageChunk:
                 t.requires_grad_(train)
         with torch.set_grad_enabled(train):
             with self._autocast(_device_of(x, self._params)):
-                out = self._layers(x)
+                try:
+                    out = self._layers(x)
+                except LayerError as exc:
+                    came = (f" (that input is the output of stage {self.stage - 1}, whose last layer is layer "
+                            f"{exc.layer - 1})" if not self.is_first and exc.layer == self.module.first else "")
+                    raise LayerError(f"stage {self.stage}: {exc}{came}", exc.layer) from exc.__cause__
             if self.is_last:
                 loss = self.loss_fn(_to_float(out), target)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -162,6 +195,7 @@ class StageChunk:
                 roots = tuple(t for t in _flat(out) if t.is_floating_point())
         if not train:
             return None if self.is_last else out
+        self._count_nonfinite(0, roots)
         self.saved[mb] = _Saved(inputs, roots)
         self.peak_stored = max(self.peak_stored, len(self.saved))
         if self.is_last:
@@ -184,6 +218,7 @@ class StageChunk:
         elif roots:
             _run_backward(roots, rgrads, (), keep_graph=False)
         result = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs)
+        self._count_nonfinite(1, result)
         saved.inputs = ()
         if not split:
             del self.saved[mb]
@@ -195,6 +230,12 @@ class StageChunk:
         pairs = [(r, g) for r, g in zip(saved.roots, saved.grads) if r.requires_grad]
         if pairs and self._params:
             _run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), self._params, keep_graph=False)
+
+    def _count_nonfinite(self, i: int, tensors: Tensors) -> None:
+        """Count tensors holding a NaN or inf into ``nonfinite[i]`` (a sum per tensor, no host sync)."""
+        for t in tensors:
+            total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
+            self.nonfinite[i] += (~torch.isfinite(total)).double()
 
     def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
         if self.is_last:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -453,9 +454,19 @@ def test_out_of_order_schedule_hangs_in_strict_mode_and_is_rejected_by_the_valid
     (tags0, strict0), (tags1, strict1) = run_distributed(out_of_order_worker, 2, timeout=50)
     # Gloo's tag matching lets it through (so tags mode alone proves nothing) ...
     assert tags0 == tags1 and not tags0.startswith(("P2P", "Runtime")), (tags0, tags1)
-    # ... NCCL's per-peer order does not: each rank waits for the other, and says on what
-    assert strict0.startswith("P2PTimeout: recvB0<1 on rank 0"), strict0
-    assert strict1.startswith("P2PTimeout: recvF1<0 on rank 1"), strict1
+    # ... NCCL's per-peer order does not: each rank waits for the other, says on what, and both
+    # show the one assembled wait-for report: both ranks, their actions, the cycle
+    assert strict0.startswith("P2PTimeout: rank 0 (position 0, replica 0, step 0): waits 3.0 s in recvB0<1 "
+                              "for rank(s) 1: no completion after 3 s"), strict0
+    assert strict1.startswith("P2PTimeout: rank 1 (position 1, replica 0, step 0): waits 3.0 s in recvF1<0 "
+                              "for rank(s) 0"), strict1
+    for text in (strict0, strict1):
+        report = text[text.index("pipeengine: wait-for report"):]
+        assert report == strict0[strict0.index("pipeengine: wait-for report"):]
+        assert "2 of 2 ranks answered" in report
+        assert re.search(r"rank 0 \(position 0, replica 0, step 0\): waits [\d.]+ s in recvB0<1 for rank\(s\) 1", report)
+        assert re.search(r"rank 1 \(position 1, replica 0, step 0\): waits [\d.]+ s in recvF1<0 for rank\(s\) 0", report)
+        assert "cycle: rank 0 -> rank 1 -> rank 0" in report
 
 
 def test_a_schedule_without_headers_is_rejected() -> None:

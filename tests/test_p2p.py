@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeengine.actions import Action, Kind
+from pipeengine.faults import watch
 from pipeengine.p2p import HEADER_LEN, P2PTimeout, TensorMeta, Wire, decode_header, describe, encode_header
 from tests.harness import run_distributed
 
@@ -43,7 +44,7 @@ def A(text: str) -> Action:
 
 
 def exchange(rank: int, world: int, mode: str) -> list[str]:
-    wire = Wire(torch.device("cpu"), lambda p: p, lambda c: rank, 2, 4, timeout=20,
+    wire = Wire(torch.device("cpu"), lambda p: p, lambda c: rank, 2, 4,
                 mode="strict" if mode == "coalesced" else mode, coalesce=mode == "coalesced")
     wire.log = []
     checks = []
@@ -83,7 +84,7 @@ def exchange(rank: int, world: int, mode: str) -> list[str]:
     checks.append(repr(wire.log))
     if mode == "tags":   # out of order: rank 1 waits for microbatch 2, rank 0 only ever sends microbatch 3
         wire.begin_step()
-        wire.timeout = 2
+        watch().timeout = 2
         try:
             if rank == 0:
                 wire.put(Kind.F, 3, 0, grad)
@@ -114,4 +115,6 @@ def test_header_steps_tuples_shape_change_and_posted_ops(mode: str) -> None:
     assert [n for a, _, _, _, n in log0 if a == "sendF0>1"] == [4 * 16 * 8 * 4, 4 * 16 * 8]
     assert (tags == {0}) == (mode != "tags"), tags
     if mode == "tags":
-        assert r1[4].startswith("recvF2<0 on rank 1: no completion after 2 s with peer rank 0"), r1[4]
+        assert r1[4].startswith("rank 1: waits 2.0 s in recvF2<0 for rank(s) 0: no completion after 2 s"), r1[4]
+        # the wait-for report: rank 0 was alive and said so
+        assert "\n  rank 0: runs outside the engine" in r1[4], r1[4]
