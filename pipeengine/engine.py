@@ -353,14 +353,16 @@ class PipelineEngine:
     def _nonfinite_message(self, result: StepResult, flags: list[float]) -> str:
         """Where the step went non-finite: the first stage with a non-finite output, else the last with gradients."""
         def layers(s: int) -> str:
-            return f"layers {self.bounds[s]}..{self.bounds[s + 1] - 1}, rank {self._global(self.schedule.placement(s)[0])}"
+            rank = self._global(self.schedule.placement(s)[0])
+            return f"layers {self.bounds[s]}..{self.bounds[s + 1] - 1}, rank {rank}"
         stages = range(self.schedule.num_stages)
         out = [s for s in stages if flags[2 * s] > 0]
         grad = [s for s in stages if flags[2 * s + 1] > 0]
         if out:
             where = f"the first non-finite forward output came from stage {out[0]} ({layers(out[0])})"
         elif grad:
-            where = f"the forward was finite; the backward went non-finite first in stage {grad[-1]} ({layers(grad[-1])})"
+            where = (f"the forward was finite; the backward went non-finite first in stage {grad[-1]} "
+                     f"({layers(grad[-1])})")
         else:
             where = "the stage outputs and gradients were finite: the loss function returned it"
         return (f"step {self.step_count}: loss {result.loss:g}, gradient norm {result.grad_norm:g}: {where} "

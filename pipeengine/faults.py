@@ -181,7 +181,8 @@ class Watch:
                 if self.store.check([PREFIX + "failed"]):
                     rec = json.loads(self.store.get(PREFIX + "failed"))
                     self.exit_status = 2 if rec["input_error"] else EXPLAINED
-                    return rec["summary"] if rec["input_error"] else f"{rec['summary']}\n{rec['traceback']}".rstrip()
+                    text = rec["summary"] if rec["input_error"] else f"{rec['summary']}\n{rec['traceback']}"
+                    return str(text).rstrip()
                 if self.store.check([PREFIX + "report"]):
                     return self.store.get(PREFIX + "report").decode()
             except Exception:

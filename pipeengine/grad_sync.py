@@ -85,7 +85,7 @@ def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any,
     with torch.no_grad():
         for bs in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in bs])
-            work = dist.broadcast(flat, src=src, group=group, async_op=True)
+            work: Any = dist.broadcast(flat, src=src, group=group, async_op=True)
             wait(work) if wait is not None else work.wait()
             offset = 0
             for b in bs:
