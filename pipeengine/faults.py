@@ -184,7 +184,7 @@ class Watch:
                     text = rec["summary"] if rec["input_error"] else f"{rec['summary']}\n{rec['traceback']}"
                     return str(text).rstrip()
                 if self.store.check([PREFIX + "report"]):
-                    return self.store.get(PREFIX + "report").decode()
+                    return str(self.store.get(PREFIX + "report").decode())
             except Exception:
                 return None
             if time.monotonic() >= deadline:
