@@ -17,6 +17,9 @@
 #   PYTHON=python     interpreter to use
 #   MAX_RESTARTS=0    restart the whole group this many times when a worker dies (same as --max-restarts N;
 #                     with the trainer's --save-interval and --resume the run continues from its last checkpoint)
+#   RDZV_TIMEOUT=120  multi-node: seconds a node waits for the others at start-up before it gives up
+# Exit status: the trainer's (0 done, 2 bad input, 3 a failure it explained, 130/143 stopped by Ctrl-C/SIGTERM);
+# torchrun's own failure summary is shown only for crashes the trainer did not explain.
 # Example, two nodes of 8 GPUs (run on each node with its NODE_RANK):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/pipe.sh 8 gpus --pp 8 --model gpt --preset small
 # Slurm: see launch/slurm.sbatch.
@@ -88,12 +91,24 @@ fi
 FILTER=()
 [[ "$LOG_RANK" != all ]] && FILTER=(--local-ranks-filter "$LOG_RANK" --tee 3)
 if (( NNODES > 1 )); then
-    RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+    if (( NODE_RANK == 0 )) && (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; then
+        echo "pipe.sh: port $MASTER_PORT on $MASTER_ADDR is already in use; set MASTER_PORT to a free port" \
+             "(the same on every node)" >&2; exit 2
+    fi
+    RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+          --rdzv-conf "timeout=${RDZV_TIMEOUT:-120}")
 else
     RDZV=(--standalone)
 fi
 
-set -x
-exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" --max-restarts "$MAX_RESTARTS" \
-    "${FILTER[@]}" \
-    -m pipeengine.train --device "$DEVICE" --backend "$BACKEND" "${ARGS[@]}"
+CMD=("$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" --max-restarts "$MAX_RESTARTS"
+     "${FILTER[@]}" -m pipeengine.train --device "$DEVICE" --backend "$BACKEND" "${ARGS[@]}")
+echo "+ ${CMD[*]}" >&2
+# torchrun's stderr goes through quiet.awk, which holds back torchrun's failure summary when every
+# failed worker explained itself (exit 2, 3, 130 or 143) and exits with that status (else 0).
+# The filter ignores Ctrl-C and SIGTERM: torchrun gets them and stops the workers.
+set +e
+{ "${CMD[@]}" 2>&1 1>&3 3>&- | (trap '' INT TERM; exec awk -f "$(dirname "$0")/quiet.awk") 1>&2; } 3>&1
+STATUS=("${PIPESTATUS[@]}")
+(( STATUS[1] != 0 )) && exit "${STATUS[1]}"
+exit "${STATUS[0]}"

@@ -83,19 +83,21 @@ def _stdlib_bytes(max_bytes: int) -> bytes:
 def _path_bytes(path: str, max_bytes: int) -> bytes:
     if not os.path.exists(path):
         raise ValueError(f"--data {path!r} does not exist; give a text file or a folder of text files")
-    if os.path.isfile(path):
-        with open(path, "rb") as fh:
-            return fh.read(max_bytes)
+    files = [path] if os.path.isfile(path) else [
+        os.path.join(d, n) for d, dirs, names in sorted(os.walk(path)) for n in sorted(names)]
     chunks, total = [], 0
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for name in sorted(filenames):
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                data = fh.read(max_bytes - total)
-            chunks.append(data)
-            total += len(data)
-            if total >= max_bytes:
-                return b"".join(chunks)
+    for name in files:
+        with open(name, "rb") as fh:
+            data = fh.read(max_bytes - total)
+        if b"\x00" in data[:65536]:
+            raise ValueError(f"--data: {name!r} is binary (it holds NUL bytes), not text; give text files")
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not total:
+        raise ValueError(f"--data {path!r} is empty" + ("" if files else " (a folder without files)")
+                         + "; give a text file or a folder of text files")
     return b"".join(chunks)
 
 

@@ -13,11 +13,12 @@ every rank already shares: torchrun's, or rank 0's TCPStore), under ``pipeengine
 Each rank's :class:`Watch` runs a daemon thread that polls one counter of the store twice a
 second. A rank blocked in a wait cannot be woken on Gloo (its waits are not interruptible, and
 aborting the group does not end them), so when another rank failed or a report was made, a
-blocked rank ends its own process, as NCCL's watchdog does (exit status ``EXPLAINED``); its
-peers then see closed connections and stop at once. A rank that is not blocked raises
-:class:`PeerFailed` at its next wait. Rank 0 prints the failure or the report once (under
-``launch/pipe.sh`` only rank 0's output is shown). A rank that publishes nothing during a hang
-is stopped, dead or stuck outside the engine: the report names it as the likely culprit.
+rank still blocked ``kill_after`` (2) seconds later ends its own process, as NCCL's watchdog
+does (exit status ``EXPLAINED``); its peers then see closed connections and stop at once. A
+rank that is not blocked raises :class:`PeerFailed` at its next wait. Rank 0 prints the
+failure or the report once (under ``launch/pipe.sh`` only rank 0's output is shown). A rank
+that publishes nothing during a hang is stopped, dead or stuck outside the engine: the report
+names it as the likely culprit. Workers of a launcher also stop when it dies (``watch_parent``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class Watch:
         self.doing = ""                    # the action the main thread runs, set by the engine
         self.peer_failure: str | None = None
         self.exit_status = EXPLAINED
+        self.kill_after = 2.0              # seconds a blocked rank may still unblock by itself after a failure
+        self._noticed = 0.0
         self._waiting: dict[str, Any] | None = None   # what the main thread is blocked on
         self._events = 0
         self._published = False
@@ -208,12 +211,15 @@ class Watch:
                 if self._store_errors >= 3 and self.peer_failure is None:
                     self.peer_failure = (f"rank {self.rank} ({self.context}): the process group's store is "
                                          f"unreachable (its host, rank 0 or the launcher, died): {exc}")
-                    if self._waiting is not None:
-                        self._stop_process(self.peer_failure)
+                    self._noticed = time.monotonic()
                 continue
             if events != self._events:
                 self._events = events
                 self._on_event()
+            waiting = self._waiting
+            if (self.peer_failure and waiting is not None
+                    and time.monotonic() - max(self._noticed, waiting["since"]) > self.kill_after):
+                self._stop_process(self.peer_failure)
 
     def _on_event(self) -> None:
         if self.store.check([PREFIX + "hang"]) and not self._published:
@@ -229,10 +235,9 @@ class Watch:
             return   # this rank's own failure: its exception is on its way
         if (failed or self.store.check([PREFIX + "report"])) and self.peer_failure is None:
             self.peer_failure = self._failure_text()
+            self._noticed = time.monotonic()
             if self.peer_failure and self.rank == 0:
                 self._print_once(self.peer_failure)
-            if self._waiting is not None and self.peer_failure:
-                self._stop_process(self.peer_failure)
 
     def _stop_process(self, text: str) -> None:
         """End this process: it is blocked in a wait that nothing else will end (see the module note)."""

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["Phase", "ActionRecord", "ActionClock", "COLORS", "compute_breakdown", "measured_bubble", "gather_records",
-           "timeline_image", "chrome_trace", "MetricsWriter"]
+           "timeline_image", "chrome_trace", "write_json", "MetricsWriter"]
 
 COMPUTE_KINDS = ("F", "B", "W")
 #: Box colours of the timeline image (RGB), one per action kind.
@@ -285,12 +285,27 @@ def chrome_trace(records_by_rank: Mapping[int, Sequence[ActionRecord]], path: st
     doc: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
     if step is not None:
         doc["otherData"] = {"step": step}
+    write_json(path, doc)
+
+
+def _strict(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
+def write_json(path: str, doc: Any) -> None:
+    """Write ``doc`` as strict JSON (NaN and inf become null), atomically: a reader sees the old file or the new."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace-", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + "-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh)
+            json.dump(_strict(doc), fh, indent=1, allow_nan=False)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -60,20 +60,27 @@ class LayerError(ValueError):
 class LayerChain(nn.Module):
     """Layers applied in order, one argument each, exactly as ``nn.Sequential`` does (a tuple stays a tuple).
 
-    ``first`` is the model index of the first layer (for messages): a layer that raises on its
-    input (a shape or dtype it cannot take) raises :class:`LayerError` naming it and the input.
+    ``first`` is the model index of the first layer (for messages). Until the chain has run once,
+    a layer that raises (typically on a shape or dtype it cannot take) raises :class:`LayerError`
+    naming it and its input; later errors pass unchanged (a bug, not an input that does not fit).
     """
 
     def __init__(self, layers: list[nn.Module], first: int = 0) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.first = first
+        self.ran = False
 
     def forward(self, x: Any) -> Any:
+        if self.ran:
+            for layer in self.layers:
+                x = layer(x)
+            return x
         i = 0
         try:
             for i, layer in enumerate(self.layers):
                 x = layer(x)
+            self.ran = True
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             if isinstance(exc, (LayerError, torch.OutOfMemoryError)):
                 raise

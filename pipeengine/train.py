@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import os
+import signal
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -22,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import latest, load, save
-from .engine import PipelineEngine, StepResult
-from .metrics import MetricsWriter, chrome_trace, compute_breakdown, gather_records, measured_bubble
+from .engine import NonFiniteError, PipelineEngine, StepResult
+from .faults import EXPLAINED, STARTUP_TIMEOUT, PeerFailed, WaitTimeout, watch
+from .metrics import MetricsWriter, chrome_trace, compute_breakdown, gather_records, measured_bubble, write_json
 from .schedule import SCHEDULES, Costs, simulate, theoretical_bubble
 from .stage import PRECISIONS, parse_checkpoint
 from .topology import Topology
@@ -63,13 +65,16 @@ class TrainConfig:
     trace_step: int | None = None  #: write a Chrome/Perfetto trace of this step
     device: str = "auto"          #: auto, cpu or cuda
     backend: str = "auto"         #: auto, gloo or nccl
-    timeout: float = 300.0        #: seconds any wait may take before the rank reports what it was stuck on
+    timeout: float | None = None  #: seconds a wait may take (None: 600 s, after the first step max(60, 20 x median))
+    on_nonfinite: str = "stop"    #: a non-finite loss or gradient: stop (name the stage) or skip the step
+    partition: str = "parameters"  #: stage bounds: parameters, uniform, or explicit bounds "0,3,6,10"
     checkpoint: str = "none"      #: activation checkpointing per chunk: none, full or every:K (layers per region)
     precision: str = "fp32"       #: fp32, bf16 (autocast, bf16 between stages) or fp16 (CUDA, loss scaling)
     save_interval: int = 0        #: save a checkpoint every N steps and after the last one (0: never)
     save_dir: str = "checkpoints"  #: where checkpoints go (one step-NNNNNNNN folder each)
     keep: int = 3                 #: keep the newest K complete checkpoints (0: all)
     resume: str | None = None     #: "latest" (the newest in save_dir, if any) or a checkpoint path
+    save_on_exit: bool = False    #: on SIGINT/SIGTERM, save a checkpoint after the step in progress
 
     def check(self, world_size: int) -> Topology:
         if self.model not in MODELS:
@@ -87,6 +92,18 @@ class TrainConfig:
             raise ValueError(f"--checkpoint: {exc}") from None
         if self.save_interval < 0 or self.keep < 0:
             raise ValueError(f"--save-interval and --keep must be >= 0 (got {self.save_interval}, {self.keep})")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"--timeout must be a positive number of seconds (got {self.timeout:g}); leave it "
+                             f"out for the default ({STARTUP_TIMEOUT:.0f} s until the first step, then 20 x the "
+                             f"median step)")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"--on-nonfinite must be 'stop' or 'skip' (got {self.on_nonfinite!r})")
+        for name in ("eval_interval", "timeline_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if self.trace_step is not None and not 0 <= self.trace_step < self.steps:
+            raise ValueError(f"--trace-step {self.trace_step} is not one of the run's steps 0..{self.steps - 1}")
+        self.partition_arg()
         for name in ("microbatches", "micro_batch_size", "steps", "chunks", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
@@ -100,11 +117,23 @@ class TrainConfig:
             raise ValueError(f"bad --pp/--dp for {world_size} processes: {exc}") from None
         if self.global_batch is not None:
             per_step = topo.dp * self.microbatches
-            if self.global_batch < 1 or self.global_batch % per_step:
+            if self.global_batch < 1:
+                raise ValueError(f"--global-batch must be a positive number of examples (got {self.global_batch})")
+            if self.global_batch % per_step:
                 raise ValueError(f"--global-batch {self.global_batch} is not divisible by dp={topo.dp} x "
                                  f"microbatches={self.microbatches} = {per_step}; use a multiple of {per_step}")
             self.micro_batch_size = self.global_batch // per_step
         return topo
+
+    def partition_arg(self) -> str | list[int]:
+        """``--partition`` for the engine: a method name, or explicit stage bounds."""
+        if self.partition in ("parameters", "uniform"):
+            return self.partition
+        try:
+            return [int(b) for b in self.partition.split(",")]
+        except ValueError:
+            raise ValueError(f"--partition must be parameters, uniform or stage bounds like 0,3,6,10 (got "
+                             f"{self.partition!r})") from None
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step."""
@@ -150,7 +179,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--trace-step", type=int, default=None, help="write a Chrome/Perfetto trace of this step")
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     p.add_argument("--backend", default=d.backend, choices=("auto", "gloo", "nccl"))
-    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds before a stuck wait is reported")
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds a wait may take before every rank's wait is reported and the job ends (default: "
+                        "600 until the first step, then max(60, 20 x the median step))")
+    p.add_argument("--on-nonfinite", default=d.on_nonfinite, choices=("stop", "skip"),
+                   help="a NaN/inf loss or gradient: stop and name the stage, or skip the update (default stop)")
+    p.add_argument("--partition", default=d.partition,
+                   help="stage bounds: parameters (balance parameter counts), uniform (layer counts), or explicit "
+                        "bounds 0,b1,...,L (default parameters)")
     p.add_argument("--checkpoint", default=d.checkpoint, metavar="none|full|every:K",
                    help="activation checkpointing per chunk: recompute its layers (full) or every K layers in B "
                         "instead of keeping their activations (default none)")
@@ -164,6 +200,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="resume from PATH (a checkpoint or a save directory) or, without PATH, from the newest "
                         "complete checkpoint in --save-dir if there is one (else start at step 0)")
+    p.add_argument("--save-on-exit", action="store_true",
+                   help="on Ctrl-C or SIGTERM, finish the step in progress on every rank and save a checkpoint")
     a = p.parse_args(argv)
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
@@ -191,10 +229,12 @@ def _init(cfg: TrainConfig) -> tuple[torch.device, bool]:
         # addresses of its groups) would be read by the next one, so each attempt gets its own prefix
         from torch.distributed.distributed_c10d import PrefixStore
         from torch.distributed.rendezvous import rendezvous
-        store, rank, world = next(rendezvous("env://", timeout=timedelta(seconds=cfg.timeout)))
+        limit = timedelta(seconds=cfg.timeout or STARTUP_TIMEOUT)
+        store, rank, world = next(rendezvous("env://", timeout=limit))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, store=PrefixStore(f"pipeengine/attempt{attempt}/", store),
-                                rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout))
+                                rank=rank, world_size=world, timeout=limit)
+        watch().watch_parent()   # a launcher killed with -9 must not leave its workers training
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     return device, True
@@ -205,9 +245,43 @@ def _progress(step: int, total: int, loss: float, samples_s: float, width: int =
     return f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}  {samples_s:,.0f} samples/s"
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
-    device, owned = _init(cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
+class _StopRequest:
+    """Ctrl-C / SIGTERM: every rank stops after the same step (agreed through the store); a second Ctrl-C aborts.
+
+    The first rank to see a signal after finishing ``done`` steps writes ``done + 1``: no rank can
+    have finished more steps than that yet (the end-of-step collectives couple the ranks within one
+    step), so every rank stops after exactly that step.
+    """
+
+    KEY = "pipeengine/stop-after"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.signum: int | None = None
+        self._at: int | None = None
+        if sys.platform != "win32":
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt   # a second Ctrl-C: now
+        self.signum = self.signum or signum
+
+    def after(self, done: int) -> bool:
+        """Whether to stop now, ``done`` steps having been finished by this rank."""
+        if self.signum is not None and self._at is None:
+            self.store.compare_set(self.KEY, "", str(done + 1))
+        if self._at is None and self.store.check([self.KEY]):
+            self._at = int(self.store.get(self.KEY))
+            self.signum = self.signum or signal.SIGTERM
+        return self._at is not None and done >= self._at
+
+
+def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...]:
+    """Everything before the first step; a bad input raises ValueError on every rank alike."""
+    rank = dist.get_rank()
+    problem = None
     try:
         topo = cfg.check(world)
         mod = importlib.import_module(f"models.{cfg.model}")
@@ -222,38 +296,70 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             raise ValueError(f"{cfg.model} ({cfg.preset}) has {len(factories)} layers but pp={topo.pp} x chunks="
                              f"{cfg.chunks} needs {stages} stages; use fewer stages or a deeper preset")
         source = mod.make_source(mcfg, cfg.data)
-        from models.data import batches
-        opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.SGD
+        if rank == 0:   # only rank 0 writes logs
+            _check_writable(cfg.log_dir, "--log-dir")
+    except ValueError as exc:
+        problem = str(exc)
+    everyone: list[Any] = [None] * world   # one rank's bad input (a local path) is every rank's error
+    dist.all_gather_object(everyone, problem)
+    problem = next((p for p in everyone if p), None)
+    if problem:
+        raise ValueError(problem)
+    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.SGD
 
-        def make_opt(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-            kw: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-            if cfg.optimizer == "sgd":
-                kw["momentum"] = 0.9
-            return opt_cls(ps, **kw)
+    def make_opt(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        kw: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+        if cfg.optimizer == "sgd":
+            kw["momentum"] = 0.9
+        return opt_cls(ps, **kw)
 
-        engine = PipelineEngine(factories, mod.loss_fn, make_opt, topology=topo, schedule=cfg.schedule,
-                                microbatches=cfg.microbatches, chunks=cfg.chunks, seed=cfg.seed,
-                                tied=mod.tied_parameters(len(factories)), device=device, timeout=cfg.timeout,
-                                grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
-                                checkpoint=cfg.checkpoint, precision=cfg.precision)
-        del factories
+    engine = PipelineEngine(factories, mod.loss_fn, make_opt, topology=topo, schedule=cfg.schedule,
+                            microbatches=cfg.microbatches, chunks=cfg.chunks, seed=cfg.seed,
+                            tied=mod.tied_parameters(len(factories)), device=device, timeout=cfg.timeout,
+                            grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
+                            checkpoint=cfg.checkpoint, precision=cfg.precision, on_nonfinite=cfg.on_nonfinite,
+                            partition=cfg.partition_arg())
+    return topo, mcfg, source, engine
+
+
+def _check_writable(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path!r} cannot be created: {exc.strerror}; choose a writable folder") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} is not writable; choose a writable folder")
+
+
+def _exit(code: int, owned: bool) -> SystemExit:
+    if owned and code in (0, 2):
+        dist.destroy_process_group()
+    return SystemExit(code)
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    device, owned = _init(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        topo, mcfg, source, engine = _setup(cfg, device, world)
         start = _resume(cfg, engine)
     except ValueError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
-        if owned:
-            dist.destroy_process_group()
-        raise SystemExit(2)
+        raise _exit(2, owned) from None
+    from models.data import batches
     global_batch = topo.dp * cfg.microbatches * cfg.micro_batch_size
     tokens_per_example = int(getattr(mcfg, "block_size", 0)) or None
     run_name = cfg.run_name or f"{cfg.model}-{cfg.schedule}-pp{topo.pp}dp{topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}"
-    writer = MetricsWriter(os.path.join(cfg.log_dir, run_name), enabled=rank == 0)
+    run_dir = os.path.join(cfg.log_dir, run_name)
+    writer = MetricsWriter(run_dir, enabled=rank == 0)
     if rank == 0:
         print(topo.describe())
         print(f"model {cfg.model}/{cfg.preset}: {engine.num_layers} layers, stage bounds {engine.bounds}; schedule "
               f"{cfg.schedule}, {cfg.microbatches} microbatches x {cfg.micro_batch_size} per replica, global batch "
-              f"{global_batch}; logs in {os.path.join(cfg.log_dir, run_name)}")
+              f"{global_batch}; logs in {run_dir}")
     is_tty = sys.stdout.isatty()
+    stop = _StopRequest(watch().store)
 
     def data_iter(split: str, step: int) -> Any:
         if not engine.needs_data:
@@ -262,81 +368,141 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                             cfg.micro_batch_size))
 
     def evaluate(step: int) -> float:
-        return engine.eval_batch(data_iter("val", step)).loss
+        return float(engine.eval_batch(data_iter("val", step)).loss)
 
-    first_loss = last_loss = float("nan")
-    val_loss = float("nan")
-    times: list[float] = []
-    bubbles: list[tuple[float, float]] = []
-    losses: list[float] = []
-    for step in range(start, cfg.steps):
-        lr = cfg.lr_at(step)
-        for g in engine.optimizer.param_groups:
-            g["lr"] = lr
-        res: StepResult = engine.train_batch(data_iter("train", step))
-        first_loss = res.loss if step == start else first_loss
-        last_loss = res.loss
-        losses.append(res.loss)
-        times.append(res.step_time)
-        samples_s = global_batch / res.step_time
-        wanted = (step % cfg.log_interval == 0 or step == cfg.steps - 1 or cfg.trace_step == step
-                  or (cfg.timeline_interval and (step + 1) % cfg.timeline_interval == 0))
-        records = gather_records(res.records) if wanted else None   # the same decision on every rank
-        if not wanted and rank == 0:
-            writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
-                                      "throughput/samples_per_s": samples_s,
-                                      **({"train/grad_norm": res.grad_norm} if res.grad_norm is not None else {})})
-        if records is not None:   # rank 0: every rank's timings of this step
-            step_time = max(r.end for rs in records.values() for r in rs)
-            # replica 0's ranks stand for their stage (replicas run the same program)
-            breakdown = {topo.position_of(rk): compute_breakdown(rs, step_time)
-                         for rk, rs in records.items() if topo.replica_of(rk) == 0}
-            measured = measured_bubble(records, step_time)
-            theory = _theoretical(engine, records)
-            bubbles.append((measured, theory))
-            writer.log_step(step, loss=res.loss, lr=lr, grad_norm=res.grad_norm, step_time=step_time,
-                            samples_per_s=global_batch / step_time,
-                            tokens_per_s=global_batch * tokens_per_example / step_time if tokens_per_example else None,
-                            breakdown_by_stage=breakdown, measured_bubble=measured, theoretical_bubble=theory)
-            if cfg.timeline_interval and (step + 1) % cfg.timeline_interval == 0:
-                writer.log_timeline(step, records)
-            if cfg.trace_step == step:
-                chrome_trace(records, os.path.join(cfg.log_dir, run_name, f"trace_step{step}.json"), step)
-        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
-            val_loss = evaluate(step)
-            writer.log_eval(step, val_loss)
-        if cfg.save_interval and ((step + 1) % cfg.save_interval == 0 or step + 1 == cfg.steps):
-            t_save = time.perf_counter()
-            saved = save(engine, cfg.save_dir, step + 1, keep=cfg.keep or None,
-                         extra={"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)})
-            if rank == 0:
-                print(f"{chr(10) if is_tty else ''}saved {saved} in {time.perf_counter() - t_save:.2f} s")
+    state: dict[str, Any] = {"first_loss": float("nan"), "final_loss": float("nan"), "val_loss": float("nan"),
+                             "losses": [], "times": [], "bubbles": [], "status": "running", "steps_done": start}
+
+    def summary() -> dict[str, Any]:
+        steady = sorted(state["times"][1:] or state["times"] or [float("nan")])
+        median = steady[len(steady) // 2]
+        bubbles = state["bubbles"]
+        return {"config": asdict(cfg), "pp": topo.pp, "dp": topo.dp, "status": state["status"],
+                "first_step": start, "steps_done": state["steps_done"], "first_loss": state["first_loss"],
+                "final_loss": state["final_loss"], "val_loss": state["val_loss"], "median_step_s": median,
+                "losses": state["losses"], "skipped_steps": engine.skipped_steps,
+                "samples_per_s": global_batch / median,
+                "tokens_per_s": global_batch * tokens_per_example / median if tokens_per_example else None,
+                "measured_bubble": sum(b[0] for b in bubbles) / len(bubbles) if bubbles else None,
+                "theoretical_bubble": bubbles[-1][1] if bubbles else None,
+                "closed_form_bubble": theoretical_bubble(cfg.schedule, topo.pp, cfg.microbatches, cfg.chunks)}
+
+    def save_summary() -> None:
         if rank == 0:
-            line = _progress(step + 1, cfg.steps, res.loss, samples_s)
-            print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
-    val_loss = evaluate(cfg.steps)
-    writer.log_eval(cfg.steps, val_loss)
-    writer.close()
-    steady = sorted(times[1:] or times or [float("nan")])
-    median = steady[len(steady) // 2]
-    summary = {"config": asdict(cfg), "pp": topo.pp, "dp": topo.dp, "first_loss": first_loss,
-               "final_loss": last_loss, "val_loss": val_loss, "median_step_s": median,
-               "first_step": start, "losses": losses,
-               "samples_per_s": global_batch / median,
-               "tokens_per_s": global_batch * tokens_per_example / median if tokens_per_example else None,
-               "measured_bubble": sum(b[0] for b in bubbles) / len(bubbles) if bubbles else None,
-               "theoretical_bubble": bubbles[-1][1] if bubbles else None,
-               "closed_form_bubble": theoretical_bubble(cfg.schedule, topo.pp, cfg.microbatches, cfg.chunks)}
+            write_json(os.path.join(run_dir, "summary.json"), summary())
+
+    code = 0
+    try:
+        for step in range(start, cfg.steps):
+            if stop.after(step):
+                break
+            _train_step(cfg, engine, topo, writer, state, step, data_iter("train", step), global_batch,
+                        tokens_per_example, run_dir)
+            if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
+                state["val_loss"] = evaluate(step)
+                writer.log_eval(step, state["val_loss"])
+            if cfg.save_interval and ((step + 1) % cfg.save_interval == 0 or step + 1 == cfg.steps):
+                _save(cfg, engine, step + 1, is_tty)
+            if rank == 0:
+                line = _progress(step + 1, cfg.steps, state["final_loss"], global_batch / state["times"][-1])
+                print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
+            if step % cfg.log_interval == 0:
+                save_summary()
+        if stop.signum is not None:
+            name = signal.Signals(stop.signum).name
+            state["status"] = f"stopped by {name} after step {state['steps_done']}"
+            if rank == 0:
+                print(f"{chr(10) if is_tty else ''}{name}: every rank stopped after step {state['steps_done']}",
+                      file=sys.stderr)
+            if cfg.save_on_exit and not (cfg.save_interval and state["steps_done"] % cfg.save_interval == 0):
+                _save(cfg, engine, state["steps_done"], False)
+            code = 128 + stop.signum
+        else:
+            state["val_loss"] = evaluate(cfg.steps)
+            writer.log_eval(cfg.steps - 1, state["val_loss"])   # at the last training step
+            state["status"] = "done"
+    except NonFiniteError as exc:   # every rank raises it alike
+        state["status"] = f"stopped: {exc}"
+        if rank == 0:
+            print(f"{chr(10) if is_tty else ''}error: {exc}", file=sys.stderr)
+        code = EXPLAINED
+    except (PeerFailed, WaitTimeout) as exc:   # rank 0 (or the reporter) printed it already
+        state["status"] = f"failed: {str(exc).splitlines()[0]}"
+        code = watch().exit_status if isinstance(exc, PeerFailed) else EXPLAINED
+    except ValueError as exc:   # a bad input met in the step (e.g. a stage that cannot take its input)
+        state["status"] = f"failed: {exc}"
+        if rank == 0:
+            print(f"{chr(10) if is_tty else ''}error: {exc}", file=sys.stderr)
+        code = 2
+    except BaseException as exc:
+        state["status"] = f"failed: {type(exc).__name__}: {exc}"
+        raise
+    finally:
+        writer.close()
+        save_summary()
+    if code:
+        raise _exit(code, owned)
+    result = summary()
     if rank == 0:
         if is_tty:
             print()
-        print(_summary_text(summary))
-        os.makedirs(os.path.join(cfg.log_dir, run_name), exist_ok=True)
-        with open(os.path.join(cfg.log_dir, run_name, "summary.json"), "w") as fh:
-            json.dump(summary, fh, indent=1)
+        print(_summary_text(result))
     if owned:
         dist.destroy_process_group()
-    return summary
+    return result
+
+
+def _save(cfg: TrainConfig, engine: PipelineEngine, step: int, newline: bool) -> None:
+    t_save = time.perf_counter()
+    saved = save(engine, cfg.save_dir, step, keep=cfg.keep or None,
+                 extra={"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)})
+    if dist.get_rank() == 0:
+        print(f"{chr(10) if newline else ''}saved {saved} in {time.perf_counter() - t_save:.2f} s")
+
+
+def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer: MetricsWriter,
+                state: dict[str, Any], step: int, data: Any, global_batch: int, tokens_per_example: int | None,
+                run_dir: str) -> None:
+    """One optimizer step with its logging (every rank; rank 0 writes)."""
+    rank = dist.get_rank()
+    lr = cfg.lr_at(step)
+    for g in engine.optimizer.param_groups:
+        g["lr"] = lr
+    res: StepResult = engine.train_batch(data)
+    if not state["losses"]:
+        state["first_loss"] = res.loss
+    state["final_loss"] = res.loss
+    state["losses"].append(res.loss)
+    state["times"].append(res.step_time)
+    state["steps_done"] = step + 1
+    if res.nonfinite and rank == 0:
+        print(f"step {step}: non-finite loss or gradients, update skipped ({engine.skipped_steps} so far)",
+              file=sys.stderr)
+        writer.log_scalars(step, {"train/skipped_steps": engine.skipped_steps})
+    samples_s = global_batch / res.step_time
+    wanted = (step % cfg.log_interval == 0 or step == cfg.steps - 1 or cfg.trace_step == step
+              or (cfg.timeline_interval and (step + 1) % cfg.timeline_interval == 0))
+    records = gather_records(res.records) if wanted else None   # the same decision on every rank
+    if not wanted and rank == 0:
+        writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
+                                  "throughput/samples_per_s": samples_s,
+                                  **({"train/grad_norm": res.grad_norm} if res.grad_norm is not None else {})})
+    if records is not None:   # rank 0: every rank's timings of this step
+        step_time = max(r.end for rs in records.values() for r in rs)
+        # replica 0's ranks stand for their stage (replicas run the same program)
+        breakdown = {topo.position_of(rk): compute_breakdown(rs, step_time)
+                     for rk, rs in records.items() if topo.replica_of(rk) == 0}
+        measured = measured_bubble(records, step_time)
+        theory = _theoretical(engine, records)
+        state["bubbles"].append((measured, theory))
+        writer.log_step(step, loss=res.loss, lr=lr, grad_norm=res.grad_norm, step_time=step_time,
+                        samples_per_s=global_batch / step_time,
+                        tokens_per_s=global_batch * tokens_per_example / step_time if tokens_per_example else None,
+                        breakdown_by_stage=breakdown, measured_bubble=measured, theoretical_bubble=theory)
+        if cfg.timeline_interval and (step + 1) % cfg.timeline_interval == 0:
+            writer.log_timeline(step, records)
+        if cfg.trace_step == step:
+            chrome_trace(records, os.path.join(run_dir, f"trace_step{step}.json"), step)
 
 
 def _resume(cfg: TrainConfig, engine: PipelineEngine) -> int:
@@ -401,8 +567,31 @@ def _summary_text(s: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    run(parse_args(argv))
+    """The command line: exit 0 done, 2 bad input, 3 an explained failure, 128+N stopped by signal N, 1 a crash.
+
+    After a failure the process group may hold waits that never end: the process ends without
+    tearing it down (see faults.py), and only rank 0 shows a crash's traceback (other ranks'
+    reach rank 0 through the store).
+    """
+    cfg = parse_args(argv)
+    try:
+        run(cfg)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        if code in (0, 2) or not dist.is_initialized():
+            raise
+        _end(code)
+    except BaseException:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            traceback.print_exc()
+        _end(1)
     return 0
+
+
+def _end(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

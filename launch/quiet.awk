@@ -1,0 +1,21 @@
+# Used by pipe.sh on torchrun's stderr: pass everything through until torchrun starts its failure
+# summary (a worker failed); hold that back. At the end, drop it if every failed worker exited with a
+# status the trainer explained itself (2 bad input, 3 an explained failure, 130/143 stopped by a
+# signal) and exit with the highest such status; otherwise print it and exit 0.
+held == 0 && /closing signal|failed \(exitcode: / { held = 1 }
+held == 0 { print; fflush(); next }
+{
+    buf[n++] = $0
+    line = $0
+    while (match(line, /exitcode *: *-?[0-9]+/)) {
+        code = substr(line, RSTART, RLENGTH); sub(/.*: */, "", code); code += 0
+        if (code == 2 || code == 3 || code == 130 || code == 143) { if (code > worst) worst = code }
+        else if (code != -15) { crash = 1 }
+        line = substr(line, RSTART + RLENGTH)
+    }
+}
+END {
+    if (n && !crash && worst) exit worst
+    for (i = 0; i < n; i++) print buf[i]
+    exit 0
+}
