@@ -1,11 +1,16 @@
 # Used by pipe.sh on torchrun's stderr: pass everything through until torchrun starts its failure
 # summary (a worker failed); hold that back. At the end, drop it if every failed worker exited with a
 # status the trainer explained itself (2 bad input, 3 an explained failure, 130/143 stopped by a
-# signal) and exit with the highest such status; otherwise print it and exit 0.
+# signal) and exit with the highest such status; the same when torchrun itself was stopped by a
+# signal (Ctrl-C: its workers stop on their own and say so). Otherwise print it and exit 0.
+/^\[default[0-9]+\]:/ { print; fflush(); next }   # a worker's own output always passes
 held == 0 && /closing signal|failed \(exitcode: / { held = 1 }
 held == 0 { print; fflush(); next }
 {
     buf[n++] = $0
+    if (match($0, /SignalException: Process [0-9]+ got signal: [0-9]+/)) {
+        sig = substr($0, RSTART, RLENGTH); sub(/.*: /, "", sig); signalled = 128 + sig
+    }
     line = $0
     while (match(line, /exitcode *: *-?[0-9]+/)) {
         code = substr(line, RSTART, RLENGTH); sub(/.*: */, "", code); code += 0
@@ -15,7 +20,7 @@ held == 0 { print; fflush(); next }
     }
 }
 END {
-    if (n && !crash && worst) exit worst
+    if (n && !crash && (worst || signalled)) exit (signalled > worst ? signalled : worst)
     for (i = 0; i < n; i++) print buf[i]
     exit 0
 }

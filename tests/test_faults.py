@@ -255,3 +255,84 @@ def test_stopped_rank_is_named_as_the_culprit() -> None:
     assert "rank 1: said nothing: stopped, dead or stuck outside the engine" in err
     assert "likely culprit: rank 1 (said nothing)" in err
     assert err.count("pipeengine: wait-for report") == 2   # printed once, and carried by rank 0's exception
+
+
+def _pipe_sh(tmp_path: Path, *flags: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="0")
+    return subprocess.Popen(["bash", str(ROOT / "launch" / "pipe.sh"), "2", "cpus", "--model", "mlp", "--steps",
+                             "100000", "--log-dir", str(tmp_path), "--run-name", "run", *flags],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _workers(launcher: int) -> list[int]:
+    """The trainer processes below ``launcher`` (pipe.sh -> torchrun -> workers)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    rows = [(int(p), int(pp), " ".join(a)) for p, pp, *a in (r.split() for r in out)]
+    below, found = {launcher}, []
+    for _ in range(4):
+        for pid, ppid, args in rows:
+            if ppid in below and pid not in below:
+                below.add(pid)
+                if "pipeengine.train" in args and "torch.distributed.run" not in args:
+                    found.append(pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) -> None:
+    proc = _pipe_sh(tmp_path, "--save-on-exit", "--save-dir", str(tmp_path / "ck"), "--log-interval", "1000")
+    _wait_for_step_line(proc, "step 3/")
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
+    out, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 130, err[-3000:]
+    assert elapsed < 15, elapsed
+    assert "SIGINT: every rank stopped after step" in err and "Traceback" not in err, err[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    done = summary["steps_done"]
+    assert summary["status"] == f"stopped by SIGINT after step {done}" and len(summary["losses"]) == done
+    assert os.path.isdir(tmp_path / "ck" / f"step-{done:08d}"), os.listdir(tmp_path / "ck")
+
+
+@pytest.mark.timeout(150)
+def test_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
+    proc = _pipe_sh(tmp_path)
+    _wait_for_step_line(proc, "step 2/")
+    torchrun = [pid for pid in _workers_parent(proc.pid)]
+    workers = _workers(proc.pid)
+    assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
+    os.kill(torchrun[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    while any(_alive(w) for w in workers) and time.monotonic() - t0 < 20:
+        time.sleep(0.2)
+    elapsed = time.monotonic() - t0
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=10)
+    assert not any(_alive(w) for w in workers) and elapsed < 10, elapsed
+
+
+def _workers_parent(launcher: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [int(r.split()[0]) for r in out if int(r.split()[1]) == launcher and "torch.distributed.run" in r]
+
+
+def _wait_for_step_line(proc: subprocess.Popen[str], text: str, limit: float = 90) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if text in line:
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"pipe.sh exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(f"no {text!r} within {limit} s")
