@@ -312,6 +312,7 @@ def main() -> None:
             print(describe_real(rows[0]))
         else:
             print(table(rows))
+    dist.barrier()   # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 

@@ -183,6 +183,7 @@ def main() -> None:
         print(f"part 2: our engine, {args.schedule}, pp={dist.get_world_size()}, m={args.microbatches}")
         report(analyse(records))
         print(f"Python before a batch's first op reaches Gloo (rank 0): median {_median_us(delays)} us")
+    dist.barrier()
     dist.destroy_process_group()
 
 
