@@ -200,17 +200,20 @@ def json_summary(tmp: Path, name: str) -> dict[str, Any]:
 
 
 def _worker_pid(launcher: int, rank: int) -> int:
-    """The pid of the trainer process with RANK=rank started by the launcher (torchrun, exec'd by pipe.sh)."""
+    """The pid of the trainer process with RANK=rank below the launcher (pipe.sh -> torchrun -> workers)."""
     for _ in range(100):
+        parents: dict[int, int] = {}
+        environs: dict[int, list[bytes]] = {}
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
                 continue
             try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                environs[int(pid)] = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == launcher and f"RANK={rank}".encode() in environ:
-                return int(pid)
+        for pid, ppid in parents.items():
+            if launcher in (ppid, parents.get(ppid)) and f"RANK={rank}".encode() in environs[pid]:
+                return pid
         time.sleep(0.1)
     raise AssertionError(f"no worker with RANK={rank} under launcher {launcher}")

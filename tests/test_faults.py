@@ -46,8 +46,9 @@ def test_wait_for_report_names_the_silent_rank_and_the_cycle() -> None:
 
 
 def test_model_mismatch_names_the_first_differing_layer_and_the_ranks() -> None:
-    a = [fingerprint(nn.Linear(8, 16)), fingerprint(nn.Linear(16, 4))]
-    b = [fingerprint(nn.Linear(8, 16)), fingerprint(nn.Linear(16, 5))]
+    f32 = torch.float32
+    a = [fingerprint(nn.Linear(8, 16, dtype=f32)), fingerprint(nn.Linear(16, 4, dtype=f32))]
+    b = [fingerprint(nn.Linear(8, 16, dtype=f32)), fingerprint(nn.Linear(16, 5, dtype=f32))]
     assert model_mismatch([(0, a), (0, a)]) is None
     assert model_mismatch([(0, a), (0, a), (0, b)]) == (
         "the ranks were given different models: layer 1 is Linear(weight (4, 16), bias (4,)) on ranks 0, 1 but "
@@ -336,3 +337,17 @@ def _wait_for_step_line(proc: subprocess.Popen[str], text: str, limit: float = 9
         if not line and proc.poll() is not None:
             raise AssertionError(f"pipe.sh exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
     raise AssertionError(f"no {text!r} within {limit} s")
+
+
+def test_pipe_sh_names_a_port_in_use_before_starting_anything() -> None:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = dict(os.environ, NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        proc = subprocess.run(["bash", str(ROOT / "launch" / "pipe.sh"), "1", "cpus"], capture_output=True,
+                              text=True, timeout=30, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"pipe.sh: port {port} on 127.0.0.1 is already in use; set MASTER_PORT to a free "
+                                   f"port (the same on every node)")
