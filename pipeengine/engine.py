@@ -286,9 +286,9 @@ class PipelineEngine:
         except BaseException as exc:
             self._tell_the_others(exc)
             raise
-        if self._fixed_timeout is None:   # the first step (start-up, warm-up) does not count
-            self._step_times = (self._step_times + [result.step_time])[-50:] if self.step_count > 1 else [0.0]
-            self.watch.timeout = adaptive_timeout(self._step_times[1:]) if self.step_count > 1 else STARTUP_TIMEOUT
+        if self._fixed_timeout is None and self.step_count > 1:   # the first step (start-up) does not count
+            self._step_times = (self._step_times + [result.step_time])[-50:]
+            self.watch.timeout = adaptive_timeout(self._step_times)
         return result
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> StepResult:
