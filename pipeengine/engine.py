@@ -447,10 +447,11 @@ class PipelineEngine:
             self._execute(step, st)
             if train and idx == self._last_backward:
                 self.grad_sync.start()
-        start = self.clock.mark()
         self.watch.doing = "waiting for the step's sends"
-        self.wire.finish()
-        self.clock.add(self.chunks[0].stage, Phase.WAIT, -1, start, self.clock.mark())
+        if self.topology.pp > 1:
+            start = self.clock.mark()
+            self.wire.finish()
+            self.clock.add(self.chunks[0].stage, Phase.WAIT, -1, start, self.clock.mark())
         return StepResult(loss=0.0, peak_stored=self.peak_stored)
 
     def _receive(self, st: _StepState, kind: Kind, a: Action, stage: int, local_key: tuple[Kind, int, int]) -> Any:

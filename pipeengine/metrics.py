@@ -17,14 +17,14 @@ if TYPE_CHECKING:
     from PIL import ImageDraw, ImageFont
     from torch.utils.tensorboard import SummaryWriter
 
-__all__ = ["Phase", "ActionRecord", "ActionClock", "COLORS", "compute_breakdown", "measured_bubble", "gather_records",
+__all__ = ["Phase", "ActionRecord", "ActionClock", "COLORS", "PARTS", "decompose", "pipeline_bubble", "gather_records",
            "timeline_image", "chrome_trace", "write_json", "MetricsWriter"]
 
 COMPUTE_KINDS = ("F", "B", "W")
 #: Box colours of the timeline image (RGB), one per action kind.
 COLORS: dict[str, tuple[int, int, int]] = {
     "F": (66, 133, 244), "B": (52, 168, 83), "W": (245, 124, 0), "COMM": (158, 158, 158),
-    "WAIT": (229, 115, 115), "SYNC": (142, 68, 173), "OPT": (109, 76, 65)}
+    "WAIT": (229, 115, 115), "SYNC": (142, 68, 173)}
 _OTHER = (60, 60, 60)          # an action kind this module does not know
 _BACKGROUND = (255, 255, 255)
 _INK = (0, 0, 0)
@@ -50,7 +50,7 @@ class ActionRecord(NamedTuple):
     rank: int
     stage: int         # pipeline stage (the virtual stage for interleaved schedules)
     kind: str          # F, B, W (compute); COMM (posting a send/recv batch); WAIT (blocked on a transfer);
-    #                    SYNC (DP gradient all-reduce / wait); OPT (optimizer step)
+    #                    SYNC (end of step: DP all-reduce, norm, optimizer step)
     microbatch: int    # -1 when not applicable
     start: float
     end: float
@@ -102,24 +102,49 @@ def _duration(r: ActionRecord) -> float:
     return r.end - r.start
 
 
-def compute_breakdown(records: Sequence[ActionRecord], step_time: float) -> dict[str, float]:
-    """Seconds per kind on one rank, plus ``idle`` = step time not covered by any record (clamped >= 0)."""
-    out: dict[str, float] = {}
-    for r in records:
-        out[r.kind] = out.get(r.kind, 0.0) + _duration(r)
-    out["idle"] = max(0.0, step_time - sum(out.values()))
+PARTS = ("compute", "bubble", "comm", "overhead", "sync")
+
+
+def decompose(records_by_rank: Mapping[int, Sequence[ActionRecord]], step_time: float) -> dict[int, dict[str, float]]:
+    """Split each rank's step into parts (seconds) that add up to ``step_time``.
+
+    Give it the ranks of one pipeline (one replica). The *program* of a rank ends with its last
+    record before ``SYNC``; the pipeline's program span is the latest such end.
+
+    - ``compute``: F, B and W;
+    - ``comm``: posting comm steps (``COMM``);
+    - ``bubble``: blocked inside the schedule on a neighbour (``WAIT``), and waiting for the
+      pipeline's last rank to end its program: what the simulator calls bubble;
+    - ``overhead``: the rest of the rank's program (the engine's own work between actions);
+    - ``sync``: after the program span: DP all-reduce, tied sums, norm, optimizer step, and
+      waiting for the step's slowest rank.
+    """
+    def program_end(rs: Sequence[ActionRecord]) -> float:
+        return max([r.end for r in rs if r.kind != Phase.SYNC] + [0.0])
+
+    span = max([program_end(rs) for rs in records_by_rank.values()] + [0.0])
+    out = {}
+    for rank, rs in records_by_rank.items():
+        kinds: dict[str, float] = {}
+        for r in rs:
+            kinds[r.kind] = kinds.get(r.kind, 0.0) + _duration(r)
+        compute = sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS)
+        comm, wait = kinds.get(Phase.COMM, 0.0), kinds.get(Phase.WAIT, 0.0)
+        end = program_end(rs)
+        out[rank] = {"compute": compute, "bubble": wait + span - end, "comm": comm,
+                     "overhead": max(0.0, end - compute - comm - wait), "sync": max(0.0, step_time - span)}
     return out
 
 
-def measured_bubble(records_by_rank: Mapping[int, Sequence[ActionRecord]], step_time: float) -> float:
-    """Mean over ranks of the fraction of the step not spent in F/B/W; comm waits count as bubble."""
-    if step_time <= 0:
-        raise ValueError(f"step_time must be positive (got {step_time})")
-    if not records_by_rank:
-        raise ValueError("measured_bubble needs the records of at least one rank (got none)")
-    fractions = [1.0 - sum(_duration(r) for r in rs if r.kind in COMPUTE_KINDS) / step_time
-                 for rs in records_by_rank.values()]
-    return sum(min(1.0, max(0.0, f)) for f in fractions) / len(fractions)
+def pipeline_bubble(parts_by_rank: Mapping[int, Mapping[str, float]]) -> float:
+    """The measured bubble: mean over a pipeline's ranks of bubble / program span (see :func:`decompose`)."""
+    if not parts_by_rank:
+        raise ValueError("pipeline_bubble needs the parts of at least one rank (got none)")
+    fractions = []
+    for p in parts_by_rank.values():
+        span = p["compute"] + p["bubble"] + p["comm"] + p["overhead"]
+        fractions.append(p["bubble"] / span if span > 0 else 0.0)
+    return sum(fractions) / len(fractions)
 
 
 def gather_records(records: list[ActionRecord], group: dist.ProcessGroup | None = None,
@@ -221,7 +246,7 @@ def timeline_image(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, wid
     """Picture of one step as an HWC uint8 tensor (``SummaryWriter.add_image(..., dataformats="HWC")``).
 
     One row per rank, labelled ``rank r / stage s``; boxes sit at the measured times (F blue, B green,
-    W orange, COMM grey, WAIT red, SYNC purple, OPT brown) with the microbatch inside when it fits; a time
+    W orange, COMM grey, WAIT red, SYNC purple) with the microbatch inside when it fits; a time
     axis in ms and a legend of the kinds present below. A torch tensor, as numpy is no dependency of torch.
     """
     from PIL import Image, ImageDraw
@@ -260,7 +285,7 @@ def timeline_image(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, wid
 
 # -------------------------------------------------------------------------------------------- chrome trace
 
-_LANES = {"F": 0, "B": 0, "W": 0, "COMM": 1, "WAIT": 1, "SYNC": 2, "OPT": 2}
+_LANES = {"F": 0, "B": 0, "W": 0, "COMM": 1, "WAIT": 1, "SYNC": 2}
 _LANE_NAMES = {0: "compute", 1: "comm / wait", 2: "sync / optimizer", 3: "other"}
 
 
@@ -314,7 +339,6 @@ def write_json(path: str, doc: Any) -> None:
 
 # -------------------------------------------------------------------------------------- TensorBoard writer
 
-_STAGE_PARTS = ("F", "B", "W", "comm_wait", "sync", "idle")
 
 # Tags are regexes matched from the start (re.match); ``$`` keeps "train/loss" from matching "train/loss_x".
 # Per-stage charts match every stage, so the layout is written once and needs no stage count.
@@ -325,7 +349,7 @@ _LAYOUT: dict[str, dict[str, list[Any]]] = {
     "Pipeline": {"bubble: measured vs theoretical": ["Multiline", [r"pipeline/bubble_measured$",
                                                                    r"pipeline/bubble_theoretical$"]],
                  **{f"{part} time per stage (s)": ["Multiline", [rf"time/stage\d+/{part}$"]]
-                    for part in _STAGE_PARTS}},
+                    for part in PARTS}},
     "Training": {"loss: train vs val": ["Multiline", [r"train/loss$", r"val/loss$"]],
                  "learning rate": ["Multiline", [r"train/lr$"]],
                  "grad norm": ["Multiline", [r"train/grad_norm$"]]},
@@ -367,12 +391,11 @@ class MetricsWriter:
 
     def log_step(self, step: int, *, loss: float, lr: float, grad_norm: float | None, step_time: float,
                  samples_per_s: float, tokens_per_s: float | None,
-                 breakdown_by_stage: Mapping[int, Mapping[str, float]], measured_bubble: float,
+                 parts_by_stage: Mapping[int, Mapping[str, float]], measured_bubble: float,
                  theoretical_bubble: float) -> None:
         """One training step: loss, lr, norm, throughput, bubbles and each stage's time breakdown (seconds).
 
-        ``breakdown_by_stage`` maps a stage to a :func:`compute_breakdown`; ``comm_wait`` = COMM + WAIT and
-        ``sync`` = SYNC + OPT. Optional values that are None are not written.
+        ``parts_by_stage`` maps a stage to its :func:`decompose` parts (seconds).
         """
         if self._writer is None:
             return
@@ -383,11 +406,8 @@ class MetricsWriter:
             scalars["train/grad_norm"] = grad_norm
         if tokens_per_s is not None:
             scalars["throughput/tokens_per_s"] = tokens_per_s
-        for stage, parts in sorted(breakdown_by_stage.items()):
-            merged = {"F": parts.get("F", 0.0), "B": parts.get("B", 0.0), "W": parts.get("W", 0.0),
-                      "comm_wait": parts.get("COMM", 0.0) + parts.get("WAIT", 0.0),
-                      "sync": parts.get("SYNC", 0.0) + parts.get("OPT", 0.0), "idle": parts.get("idle", 0.0)}
-            scalars.update({f"time/stage{stage}/{k}": v for k, v in merged.items()})
+        for stage, parts in sorted(parts_by_stage.items()):
+            scalars.update({f"time/stage{stage}/{k}": parts.get(k, 0.0) for k in PARTS})
         self._add(step, scalars)
         self._writer.flush()     # a live TensorBoard sees every logged step
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .checkpoint import latest, load, save
 from .engine import NonFiniteError, PipelineEngine, StepResult
 from .faults import EXPLAINED, STARTUP_TIMEOUT, PeerFailed, WaitTimeout, watch
-from .metrics import MetricsWriter, chrome_trace, compute_breakdown, gather_records, measured_bubble, write_json
+from .metrics import PARTS, MetricsWriter, chrome_trace, decompose, gather_records, pipeline_bubble, write_json
 from .schedule import SCHEDULES, Costs, simulate, theoretical_bubble
 from .stage import PRECISIONS, parse_checkpoint
 from .topology import Topology
@@ -60,7 +60,8 @@ class TrainConfig:
     log_dir: str = "runs"         #: TensorBoard logs go to <log_dir>/<run_name>
     run_name: str | None = None
     eval_interval: int = 25       #: evaluate on the validation split every N steps (0: only at the end)
-    log_interval: int = 1         #: gather every rank's action timings (bubble, per-stage views) every N steps
+    log_interval: int = 0         #: a progress line and every rank's timings every N steps (0: steps / 50)
+    quiet: bool = False           #: no progress output (errors and the final summary only)
     timeline_interval: int = 25   #: log a pipeline timeline image every N steps (0: off)
     trace_step: int | None = None  #: write a Chrome/Perfetto trace of this step
     device: str = "auto"          #: auto, cpu or cuda
@@ -104,6 +105,8 @@ class TrainConfig:
         if self.trace_step is not None and not 0 <= self.trace_step < self.steps:
             raise ValueError(f"--trace-step {self.trace_step} is not one of the run's steps 0..{self.steps - 1}")
         self.partition_arg()
+        if self.log_interval == 0:
+            self.log_interval = max(1, self.steps // 50)
         for name in ("microbatches", "micro_batch_size", "steps", "chunks", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
@@ -173,9 +176,13 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--run-name", default=None, help="sub-directory of --log-dir (default: model-schedule-time)")
     p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="validate every N steps")
     p.add_argument("--log-interval", type=int, default=d.log_interval,
-                   help="gather per-stage timings and bubble every N steps (loss and throughput: every step)")
+                   help="a progress line (when not on a terminal) and every rank's timings (bubble, per-stage "
+                        "views) every N steps; loss and throughput go to TensorBoard every step (default 0: "
+                        "steps / 50, about 50 lines)")
+    p.add_argument("--quiet", action="store_true", help="no progress output; errors and the summary only")
     p.add_argument("--timeline-interval", type=int, default=d.timeline_interval,
-                   help="log the pipeline timeline image every N steps (0: off)")
+                   help="also log the pipeline timeline image every N steps (it is always logged for the first "
+                        "step after warm-up and the last; default 25, 0: only those)")
     p.add_argument("--trace-step", type=int, default=None, help="write a Chrome/Perfetto trace of this step")
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     p.add_argument("--backend", default=d.backend, choices=("auto", "gloo", "nccl"))
@@ -240,9 +247,14 @@ def _init(cfg: TrainConfig) -> tuple[torch.device, bool]:
     return device, True
 
 
-def _progress(step: int, total: int, loss: float, samples_s: float, width: int = 24) -> str:
+def _progress(step: int, total: int, loss: float, val: float, samples_s: float, steps_s: float,
+              width: int = 24) -> str:
+    """``[####....] step 40/100  loss 2.9876  val 2.8765  3.1 steps/s  190 samples/s  ETA 0:19``."""
     done = int(width * step / total)
-    return f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}  {samples_s:,.0f} samples/s"
+    eta = int((total - step) / steps_s) if steps_s > 0 else 0
+    val_s = f"  val {val:.4f}" if math.isfinite(val) else ""
+    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}{val_s}  {steps_s:.1f} steps/s"
+            f"  {samples_s:,.0f} samples/s  ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
 
 
 class _StopRequest:
@@ -358,7 +370,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         print(f"model {cfg.model}/{cfg.preset}: {engine.num_layers} layers, stage bounds {engine.bounds}; schedule "
               f"{cfg.schedule}, {cfg.microbatches} microbatches x {cfg.micro_batch_size} per replica, global batch "
               f"{global_batch}; logs in {run_dir}")
-    is_tty = sys.stdout.isatty()
+    is_tty = sys.stdout.isatty() and not cfg.quiet
     stop = _StopRequest(watch().store)
 
     def data_iter(split: str, step: int) -> Any:
@@ -370,28 +382,34 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     def evaluate(step: int) -> float:
         return float(engine.eval_batch(data_iter("val", step)).loss)
 
+    warm = max(1, min(5, cfg.steps // 20))   # steps left out of the timing figures (start-up, first allocations)
     state: dict[str, Any] = {"first_loss": float("nan"), "final_loss": float("nan"), "val_loss": float("nan"),
-                             "losses": [], "times": [], "bubbles": [], "status": "running", "steps_done": start}
+                             "losses": [], "times": [], "bubbles": [], "status": "running", "steps_done": start,
+                             "timeline_steps": {min(start + warm, cfg.steps - 1), cfg.steps - 1}}
 
     def summary() -> dict[str, Any]:
-        steady = sorted(state["times"][1:] or state["times"] or [float("nan")])
+        steady = sorted(state["times"][warm:] or state["times"] or [float("nan")])
         median = steady[len(steady) // 2]
-        bubbles = state["bubbles"]
+        bubbles = [b for b in state["bubbles"] if b[0] >= start + warm] or state["bubbles"]
         return {"config": asdict(cfg), "pp": topo.pp, "dp": topo.dp, "status": state["status"],
                 "first_step": start, "steps_done": state["steps_done"], "first_loss": state["first_loss"],
                 "final_loss": state["final_loss"], "val_loss": state["val_loss"], "median_step_s": median,
                 "losses": state["losses"], "skipped_steps": engine.skipped_steps,
                 "samples_per_s": global_batch / median,
                 "tokens_per_s": global_batch * tokens_per_example / median if tokens_per_example else None,
-                "measured_bubble": sum(b[0] for b in bubbles) / len(bubbles) if bubbles else None,
-                "theoretical_bubble": bubbles[-1][1] if bubbles else None,
-                "closed_form_bubble": theoretical_bubble(cfg.schedule, topo.pp, cfg.microbatches, cfg.chunks)}
+                "warmup_steps": warm, "timed_steps": [b[0] for b in bubbles],
+                "measured_bubble": _mean([b[1] for b in bubbles]),
+                "theoretical_bubble": _mean([b[2] for b in bubbles]),
+                "closed_form_bubble": theoretical_bubble(cfg.schedule, topo.pp, cfg.microbatches, cfg.chunks),
+                "step_parts": {k: _mean([b[3][k] for b in bubbles]) for k in PARTS},
+                "oversubscribed": _oversubscribed(device)}
 
     def save_summary() -> None:
         if rank == 0:
             write_json(os.path.join(run_dir, "summary.json"), summary())
 
     code = 0
+    t_start = time.perf_counter()
     try:
         for step in range(start, cfg.steps):
             if stop.after(step):
@@ -403,9 +421,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 writer.log_eval(step, state["val_loss"])
             if cfg.save_interval and ((step + 1) % cfg.save_interval == 0 or step + 1 == cfg.steps):
                 _save(cfg, engine, step + 1, is_tty)
-            if rank == 0:
-                line = _progress(step + 1, cfg.steps, state["final_loss"], global_batch / state["times"][-1])
-                print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
+            if rank == 0 and not cfg.quiet and (is_tty or (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps):
+                elapsed = time.perf_counter() - t_start
+                line = _progress(step + 1, cfg.steps, state["final_loss"], state["val_loss"],
+                                 global_batch / state["times"][-1], (step + 1 - start) / elapsed)
+                print(("\r" + line + "\033[K") if is_tty else line, end="" if is_tty else "\n", flush=True)
             if step % cfg.log_interval == 0:
                 save_summary()
         if stop.signum is not None:
@@ -480,8 +500,9 @@ def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer
               file=sys.stderr)
         writer.log_scalars(step, {"train/skipped_steps": engine.skipped_steps})
     samples_s = global_batch / res.step_time
-    wanted = (step % cfg.log_interval == 0 or step == cfg.steps - 1 or cfg.trace_step == step
-              or (cfg.timeline_interval and (step + 1) % cfg.timeline_interval == 0))
+    timeline = step in state["timeline_steps"] or bool(cfg.timeline_interval
+                                                       and (step + 1) % cfg.timeline_interval == 0)
+    wanted = step % cfg.log_interval == 0 or step == cfg.steps - 1 or cfg.trace_step == step or timeline
     records = gather_records(res.records) if wanted else None   # the same decision on every rank
     if not wanted and rank == 0:
         writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
@@ -490,16 +511,17 @@ def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer
     if records is not None:   # rank 0: every rank's timings of this step
         step_time = max(r.end for rs in records.values() for r in rs)
         # replica 0's ranks stand for their stage (replicas run the same program)
-        breakdown = {topo.position_of(rk): compute_breakdown(rs, step_time)
-                     for rk, rs in records.items() if topo.replica_of(rk) == 0}
-        measured = measured_bubble(records, step_time)
+        parts = decompose({rk: rs for rk, rs in records.items() if topo.replica_of(rk) == 0}, step_time)
+        measured = pipeline_bubble(parts)
         theory = _theoretical(engine, records)
-        state["bubbles"].append((measured, theory))
+        share = {k: sum(p[k] for p in parts.values()) / len(parts) / step_time for k in PARTS}
+        state["bubbles"].append((step, measured, theory, share))
         writer.log_step(step, loss=res.loss, lr=lr, grad_norm=res.grad_norm, step_time=step_time,
                         samples_per_s=global_batch / step_time,
                         tokens_per_s=global_batch * tokens_per_example / step_time if tokens_per_example else None,
-                        breakdown_by_stage=breakdown, measured_bubble=measured, theoretical_bubble=theory)
-        if cfg.timeline_interval and (step + 1) % cfg.timeline_interval == 0:
+                        parts_by_stage={topo.position_of(rk): p for rk, p in parts.items()},
+                        measured_bubble=measured, theoretical_bubble=theory)
+        if timeline:
             writer.log_timeline(step, records)
         if cfg.trace_step == step:
             chrome_trace(records, os.path.join(run_dir, f"trace_step{step}.json"), step)
@@ -550,11 +572,31 @@ def _theoretical(engine: PipelineEngine, records: dict[int, list[Any]]) -> float
     return simulate(engine.schedule, per_position).mean_bubble
 
 
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _oversubscribed(device: torch.device) -> str | None:
+    """"8 processes x 1 thread on 2 cores" when this node's ranks want more cores than it has (CPU runs)."""
+    if device.type != "cpu":
+        return None
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    return f"{procs} processes x {threads} threads on {cores} cores" if procs * threads > cores else None
+
+
 def _summary_text(s: dict[str, Any]) -> str:
     c = s["config"]
     tok = f"  tokens/s {s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else ""
-    bub = (f"measured {s['measured_bubble']:.3f}  simulated {s['theoretical_bubble']:.3f}  closed form "
-           f"{s['closed_form_bubble']:.3f}") if s["measured_bubble"] is not None else "n/a"
+    bub, parts = "n/a", "n/a"
+    if s["measured_bubble"] is not None:
+        bub = (f"measured {s['measured_bubble']:.3f}  simulated {s['theoretical_bubble']:.3f}  closed form "
+               f"{s['closed_form_bubble']:.3f}  ({len(s['timed_steps'])} timed steps, the first "
+               f"{s['warmup_steps']} left out as warm-up)")
+        parts = "  ".join(f"{k} {100 * v:.0f}%" for k, v in s["step_parts"].items())
+        if s["oversubscribed"]:
+            parts += f"\n           ({s['oversubscribed']}: the ranks take turns, waits include CPU contention)"
     return "\n".join([
         "=" * 72,
         f"model {c['model']}/{c['preset']}  schedule {c['schedule']}  pp {s['pp']} x dp {s['dp']}  "
@@ -562,6 +604,7 @@ def _summary_text(s: dict[str, Any]) -> str:
         f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",
         f"throughput {s['samples_per_s']:,.1f} samples/s{tok}  (median step {s['median_step_s'] * 1000:.1f} ms)",
         f"bubble     {bub}",
+        f"step time  {parts}",
         "=" * 72,
     ])
 

@@ -11,41 +11,38 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeengine.metrics import (COLORS, ActionRecord, MetricsWriter, _frame, chrome_trace, compute_breakdown,
-                                gather_records, measured_bubble, timeline_image)
+from pipeengine.metrics import (COLORS, ActionRecord, MetricsWriter, _frame, chrome_trace, decompose, gather_records,
+                                pipeline_bubble, timeline_image)
 
 A = ActionRecord
 # Two ranks of pp=2, one microbatch, times in seconds; the step takes 0.8 s on both.
-#   rank 0  F0 [0, .1)  COMM [.1, .12)  WAIT [.12, .3)  B0 [.3, .5)  SYNC [.5, .55)  OPT [.55, .6)  idle .2
+#   rank 0  F0 [0, .1)  COMM [.1, .12)  WAIT [.12, .3)  B0 [.3, .5)  SYNC [.5, .6)  idle .2
 #   rank 1  WAIT [0, .1)  F0 [.1, .25)  B0 [.25, .35)  W0 [.35, .45)  COMM [.45, .46)   idle .34
 R: dict[int, list[ActionRecord]] = {
     0: [A(0, 0, "F", 0, 0.0, 0.1), A(0, 0, "COMM", 0, 0.1, 0.12), A(0, 0, "WAIT", 0, 0.12, 0.3),
-        A(0, 0, "B", 0, 0.3, 0.5), A(0, 0, "SYNC", -1, 0.5, 0.55), A(0, 0, "OPT", -1, 0.55, 0.6)],
+        A(0, 0, "B", 0, 0.3, 0.5), A(0, 0, "SYNC", -1, 0.5, 0.6)],
     1: [A(1, 1, "WAIT", 0, 0.0, 0.1), A(1, 1, "F", 0, 0.1, 0.25), A(1, 1, "B", 0, 0.25, 0.35),
         A(1, 1, "W", 0, 0.35, 0.45), A(1, 1, "COMM", 0, 0.45, 0.46)]}
 STEP = 0.8
 
 
-def test_breakdown_sums_kinds_and_idle_is_the_rest() -> None:
-    assert compute_breakdown(R[0], STEP) == pytest.approx(
-        {"F": 0.1, "COMM": 0.02, "WAIT": 0.18, "B": 0.2, "SYNC": 0.05, "OPT": 0.05, "idle": 0.2})
-    assert compute_breakdown(R[1], STEP) == pytest.approx(
-        {"WAIT": 0.1, "F": 0.15, "B": 0.1, "W": 0.1, "COMM": 0.01, "idle": 0.34})
-    assert compute_breakdown(R[0], 0.5)["idle"] == 0.0       # records cover more than the step: clamped
-    assert compute_breakdown([], 0.3) == {"idle": 0.3}
+def test_decomposition_adds_up_to_the_step_and_bubble_is_the_pipeline_part() -> None:
+    parts = decompose(R, STEP)
+    # the program span ends at 0.5 (rank 0's B); rank 1 ends at 0.46 and waits 0.04 for it
+    assert parts[0] == pytest.approx({"compute": 0.3, "bubble": 0.18, "comm": 0.02, "overhead": 0.0, "sync": 0.3})
+    assert parts[1] == pytest.approx({"compute": 0.35, "bubble": 0.14, "comm": 0.01, "overhead": 0.0, "sync": 0.3})
+    for p in parts.values():
+        assert sum(p.values()) == pytest.approx(STEP, rel=0.02)
+    assert pipeline_bubble(parts) == pytest.approx((0.18 / 0.5 + 0.14 / 0.5) / 2)
+    # one rank (pp = 1): no waits, so no bubble; the gaps between actions are the engine's overhead
+    alone = decompose({0: [A(0, 0, "F", 0, 0.0, 0.1), A(0, 0, "B", 0, 0.12, 0.3), A(0, 0, "SYNC", -1, 0.3, 0.4)]},
+                      0.4)
+    assert alone[0] == pytest.approx({"compute": 0.28, "bubble": 0.0, "comm": 0.0, "overhead": 0.02, "sync": 0.1})
+    assert pipeline_bubble(alone) == 0.0
     with pytest.raises(ValueError, match="ends before it starts"):
-        compute_breakdown([A(0, 0, "F", 0, 0.2, 0.1)], 1.0)
-
-
-def test_measured_bubble_counts_only_compute_as_work() -> None:
-    # rank 0 computes 0.3 of 0.8 -> 0.625; rank 1 computes 0.35 (W included) -> 0.5625; waits are bubble
-    assert measured_bubble(R, STEP) == pytest.approx((0.625 + 0.5625) / 2)
-    assert measured_bubble({0: R[0]}, 0.3) == pytest.approx(0.0)     # fully busy rank
-    assert measured_bubble({0: R[0], 3: []}, STEP) == pytest.approx((0.625 + 1.0) / 2)
-    with pytest.raises(ValueError, match="positive"):
-        measured_bubble(R, 0.0)
+        decompose({0: [A(0, 0, "F", 0, 0.2, 0.1)]}, 1.0)
     with pytest.raises(ValueError, match="at least one rank"):
-        measured_bubble({}, 1.0)
+        pipeline_bubble({})
 
 
 def test_gather_without_process_group_is_single_rank() -> None:
@@ -88,7 +85,7 @@ def test_timeline_image_boxes_at_measured_times(width: int) -> None:
     is_f = (box == torch.tensor(COLORS["F"], dtype=torch.uint8)).all(dim=1)
     assert is_f.float().mean() > 0.8 and not is_f.all()
     # every kind at the centre of one of its boxes
-    for rank, t, kind in [(0, 0.2, "WAIT"), (0, 0.4, "B"), (0, 0.525, "SYNC"), (0, 0.575, "OPT"),
+    for rank, t, kind in [(0, 0.2, "WAIT"), (0, 0.4, "B"), (0, 0.525, "SYNC"), (0, 0.575, "SYNC"),
                           (1, 0.05, "WAIT"), (1, 0.175, "F"), (1, 0.4, "W")]:
         top, _ = f.box_rows(rank)
         assert _pixel(img, f.x(t), top + 1) == COLORS[kind], (rank, t, kind)
@@ -117,7 +114,7 @@ def test_chrome_trace(tmp_path: Path) -> None:
     assert len(xs) == len(R[0]) + len(R[1])
     f = next(e for e in xs if e["pid"] == 1 and e["name"] == "F0")
     assert f["ts"] == pytest.approx(1e5) and f["dur"] == pytest.approx(1.5e5) and f["args"]["stage"] == 1
-    assert {e["name"] for e in xs if e["pid"] == 0} == {"F0", "COMM0", "WAIT0", "B0", "SYNC", "OPT"}
+    assert {e["name"] for e in xs if e["pid"] == 0} == {"F0", "COMM0", "WAIT0", "B0", "SYNC"}
     meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
     names = {e["args"]["name"] for e in meta if e["name"] == "process_name"}
     assert names == {"rank 0 (stage 0)", "rank 1 (stage 1)"}
@@ -135,13 +132,13 @@ def _read_events(log_dir: Path) -> Any:
 
 
 def test_writer_round_trip(tmp_path: Path) -> None:
-    breakdown = {s: compute_breakdown(R[s], STEP) for s in R}
+    parts = decompose(R, STEP)
     with MetricsWriter(str(tmp_path), run_name="run") as w:
         assert w.log_dir == str(tmp_path / "run")
         for step in range(3):
             w.log_step(step, loss=2.0 - step, lr=0.1 * (step + 1), grad_norm=1.5 if step else None,
                        step_time=STEP, samples_per_s=100.0, tokens_per_s=6400.0,
-                       breakdown_by_stage=breakdown, measured_bubble=0.59375, theoretical_bubble=0.5)
+                       parts_by_stage=parts, measured_bubble=0.59375, theoretical_bubble=0.5)
         w.log_scalars(3, {"train/loss": -1.0, "custom/x": 7.0})
         w.log_eval(2, 1.25)
         w.log_timeline(2, R)
@@ -154,9 +151,8 @@ def test_writer_round_trip(tmp_path: Path) -> None:
     assert acc.Scalars("custom/x")[0].value == 7.0
     expect = {"time/step_s": STEP, "throughput/samples_per_s": 100.0, "throughput/tokens_per_s": 6400.0,
               "pipeline/bubble_measured": 0.59375, "pipeline/bubble_theoretical": 0.5,
-              "time/stage0/F": 0.1, "time/stage0/B": 0.2, "time/stage0/W": 0.0, "time/stage0/comm_wait": 0.2,
-              "time/stage0/sync": 0.1, "time/stage0/idle": 0.2,
-              "time/stage1/W": 0.1, "time/stage1/comm_wait": 0.11, "time/stage1/idle": 0.34}
+              "time/stage0/compute": 0.3, "time/stage0/bubble": 0.18, "time/stage0/comm": 0.02,
+              "time/stage0/overhead": 0.0, "time/stage0/sync": 0.3, "time/stage1/bubble": 0.14}
     for tag, value in expect.items():
         assert acc.Scalars(tag)[-1].value == pytest.approx(value), tag
     assert tags["images"] == ["pipeline/timeline"]
@@ -182,7 +178,7 @@ def test_writer_round_trip(tmp_path: Path) -> None:
 def test_disabled_writer_is_a_no_op(tmp_path: Path) -> None:
     for w in (MetricsWriter(str(tmp_path / "off"), enabled=False), MetricsWriter(None, run_name="x")):
         w.log_step(0, loss=1.0, lr=0.1, grad_norm=None, step_time=1.0, samples_per_s=1.0, tokens_per_s=None,
-                   breakdown_by_stage={0: {"F": 1.0}}, measured_bubble=0.0, theoretical_bubble=0.0)
+                   parts_by_stage={0: {"compute": 1.0}}, measured_bubble=0.0, theoretical_bubble=0.0)
         w.log_scalars(0, {"a": 1.0})
         w.log_eval(0, 1.0)
         w.log_timeline(0, R)
