@@ -42,7 +42,7 @@ What it measures, per rank:
   its RSS at process start (after importing torch and ``warm_process()``, whose first optimizer
   imports torch._dynamo: ~150 MiB that is not model memory), against the whole model's fp32
   param + grad + AdamW bytes (16 bytes per parameter). Built from per-layer factories when
-  models.gpt has them (each rank builds only its stages), and, for comparison, as the full module
+  pipeengine.models.gpt has them (each rank builds only its stages), and, for comparison, as the full module
   list that every rank builds and keeps, as in the README's usage example.
 
 Output: a table on stdout, one JSON line per (configuration, engine variant) in
@@ -76,7 +76,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-import models.gpt as gpt  # noqa: E402
+import pipeengine.models.gpt as gpt  # noqa: E402
 from benchmarks.efficiency import _median_step as _timed_steps  # noqa: E402
 from pipeengine.engine import PipelineEngine  # noqa: E402
 from pipeengine.topology import Topology  # noqa: E402
@@ -487,7 +487,7 @@ def main() -> None:
     p.add_argument("--no-extra", action="store_true", help="skip the bf16 and checkpointing rows")
     p.add_argument("--no-gpt", action="store_true", help="skip the big GPT section")
     p.add_argument("--gpt-layers", choices=["auto", "factories", "modules", "both"], default=None,
-                   help="how the GPT is given to the engine (auto: factories if models.gpt has them, else "
+                   help="how the GPT is given to the engine (auto: factories if pipeengine.models.gpt has them, else "
                         "modules; default both, --quick: auto)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     p.add_argument("--write-readme", action="store_true", help="rewrite the memory section of benchmarks/README.md")
@@ -553,7 +553,7 @@ def main() -> None:
                 for x in recs:
                     x["peak"] = x["held_mib"] + x["growth_mib"]
 
-    # 3. big GPT: factories when models.gpt provides them (per-stage construction), modules for comparison
+    # 3. big GPT: factories when pipeengine.models.gpt provides them (per-stage construction), modules for comparison
     gpt_rows: list[dict[str, Any]] = []
     if not a.no_gpt:
         cfg_kw: dict[str, Any]
@@ -565,7 +565,8 @@ def main() -> None:
                 "both": ["factories", "modules"] if hasattr(gpt, "layer_factories") else ["modules"],
                 "factories": ["factories"], "modules": ["modules"]}[a.gpt_layers]
         if not hasattr(gpt, "layer_factories"):
-            notes.append("models.gpt has no layer_factories yet: the GPT is given as modules (every rank builds all)")
+            notes.append("pipeengine.models.gpt has no layer_factories yet: the GPT is given as modules "
+                         "(every rank builds all)")
         full = gpt_full_params(gpt.Config(**cfg_kw)) * 16
         for way in ways:
             res = run_config(gpt_pp, [way], ["--model", "gpt", "-m", "4", "--steps", "2", "--timeout", str(a.timeout),

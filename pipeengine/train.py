@@ -39,7 +39,7 @@ MODELS = ("gpt", "resnet", "mlp")
 class TrainConfig:
     """Everything a run needs; ``check()`` rejects bad combinations with a message that says why."""
 
-    model: str = "gpt"            #: one of gpt, resnet, mlp (modules under models/)
+    model: str = "gpt"            #: one of gpt, resnet, mlp (models/, installed as pipeengine.models)
     preset: str = "tiny"          #: a named size from the model module's presets()
     data: str | None = None       #: text file/folder (gpt) or ImageFolder (resnet); default: built locally
     pp: int | None = None         #: pipeline stages (physical ranks per pipeline); default: all ranks
@@ -296,7 +296,7 @@ def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...
     problem = None
     try:
         topo = cfg.check(world)
-        mod = importlib.import_module(f"models.{cfg.model}")
+        mod = importlib.import_module(f"pipeengine.models.{cfg.model}")
         presets = mod.presets()
         if cfg.preset not in presets:
             raise ValueError(f"--preset {cfg.preset!r} is not a {cfg.model} preset; choose {', '.join(presets)}")
@@ -359,7 +359,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         raise _exit(2, owned) from None
-    from models.data import batches
+    batches = importlib.import_module("pipeengine.models.data").batches
     global_batch = topo.dp * cfg.microbatches * cfg.micro_batch_size
     tokens_per_example = int(getattr(mcfg, "block_size", 0)) or None
     run_name = cfg.run_name or f"{cfg.model}-{cfg.schedule}-pp{topo.pp}dp{topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}"

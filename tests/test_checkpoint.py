@@ -71,7 +71,7 @@ def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path
     # export the step-3 checkpoint and evaluate the plain model: the pipeline's validation loss at step 3
     out = str(tmp_path / "model.pt")
     assert export(os.path.join(d, "step-00000003"), out) > 0
-    from models import data, gpt
+    from pipeengine.models import data, gpt
     cfg = gpt.presets()["tiny"]()
     layers = gpt.build(cfg)
     net = nn.Sequential(*layers)

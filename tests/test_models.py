@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import data, gpt, mlp, resnet
+from pipeengine.models import data, gpt, mlp, resnet
 
 
 def chain(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:

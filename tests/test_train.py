@@ -73,7 +73,7 @@ def test_resnet_and_mlp_train_under_pp2(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ tied GPT
 
 def gpt_run(rank: int, world: int) -> dict[str, Any]:
-    from models import gpt
+    from pipeengine.models import gpt
     from pipeengine.engine import PipelineEngine
     from pipeengine.topology import Topology
     torch.set_default_dtype(torch.float64)
@@ -100,7 +100,7 @@ def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_tied_embedding_stays_bit_identical_and_matches_single_process() -> None:
     results = run_distributed(gpt_run, 2, timeout=180)
     assert torch.equal(results[0]["tied"], results[1]["tied"])
-    from models import gpt
+    from pipeengine.models import gpt
     torch.set_default_dtype(torch.float64)
     try:
         layers = gpt.build(gpt.presets()["tiny"](), seed=3)
