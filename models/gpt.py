@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -11,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .data import ByteCorpus
+from .presets import PRESETS
 
 __all__ = ["Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
 
@@ -34,11 +36,7 @@ class Config:
 
 
 def presets() -> dict[str, Callable[[], Config]]:
-    return {
-        "tiny": lambda: Config(block_size=64, n_layer=6, n_head=4, n_embd=64),
-        "small": lambda: Config(block_size=128, n_layer=8, n_head=8, n_embd=256),
-        "gpt2-124m": lambda: Config(vocab_size=256, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    }
+    return {name: functools.partial(Config, **kw) for name, kw in PRESETS["gpt"].items()}
 
 
 class Embedding(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from .data import SyntheticRegression
+from .presets import PRESETS
 
 __all__ = ["Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
 
@@ -27,8 +29,7 @@ class Config:
 
 
 def presets() -> dict[str, Callable[[], Config]]:
-    return {"tiny": lambda: Config(hidden=64, depth=8), "small": lambda: Config(hidden=256, depth=14),
-            "large": lambda: Config(hidden=2048, depth=30)}
+    return {name: functools.partial(Config, **kw) for name, kw in PRESETS["mlp"].items()}
 
 
 class Block(nn.Module):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .data import ImageSource
+from .presets import PRESETS
 
 __all__ = ["Config", "presets", "layer_factories", "build", "flatten", "loss_fn", "tied_parameters", "make_source"]
 
@@ -37,9 +38,7 @@ class Config:
 
 
 def presets() -> dict[str, Callable[[], Config]]:
-    return {"tiny": lambda: Config(), "resnet18": lambda: Config(), "resnet18-gn": lambda: Config(norm="group"),
-            "resnet50": lambda: Config(arch="resnet50", image_size=64),
-            "resnet50-imagenet": lambda: Config(arch="resnet50", num_classes=1000, image_size=224)}
+    return {name: functools.partial(Config, **kw) for name, kw in PRESETS["resnet"].items()}
 
 
 def flatten(model: Any) -> list[nn.Module]:

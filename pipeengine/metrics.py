@@ -411,6 +411,12 @@ class MetricsWriter:
         self._add(step, scalars)
         self._writer.flush()     # a live TensorBoard sees every logged step
 
+    def log_text(self, tag: str, text: str) -> None:
+        """Text (markdown) under ``tag``, e.g. the run's resolved configuration."""
+        if self._writer is not None:
+            self._writer.add_text(tag, text, 0)
+            self._writer.flush()
+
     def log_eval(self, step: int, val_loss: float) -> None:
         """Validation loss under ``val/loss``."""
         self.log_scalars(step, {"val/loss": val_loss})

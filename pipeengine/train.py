@@ -9,30 +9,25 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import json
 import math
 import os
-import signal
 import sys
-import time
-import traceback
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
-import torch.distributed as dist
+from .schedule import SCHEDULES
 
-from .checkpoint import latest, load, save
-from .engine import NonFiniteError, PipelineEngine, StepResult
-from .faults import EXPLAINED, STARTUP_TIMEOUT, PeerFailed, WaitTimeout, watch
-from .metrics import PARTS, MetricsWriter, chrome_trace, decompose, gather_records, pipeline_bubble, write_json
-from .schedule import SCHEDULES, Costs, simulate, theoretical_bubble
-from .stage import PRECISIONS, parse_checkpoint
-from .topology import Topology
+if TYPE_CHECKING:
+    from .topology import Topology
 
-__all__ = ["TrainConfig", "parse_args", "main"]
+__all__ = ["TrainConfig", "parse_args", "run", "main", "to_toml"]
 
 MODELS = ("gpt", "resnet", "mlp")
+PRECISION_NAMES = ("fp32", "bf16", "fp16")   # stage.PRECISIONS, named here so that --help needs no torch
+STARTUP_TIMEOUT = 600.0                      # faults.STARTUP_TIMEOUT (a test keeps the two equal)
 
 
 @dataclass
@@ -78,6 +73,8 @@ class TrainConfig:
     save_on_exit: bool = False    #: on SIGINT/SIGTERM, save a checkpoint after the step in progress
 
     def check(self, world_size: int) -> Topology:
+        from .stage import parse_checkpoint
+        from .topology import Topology
         if self.model not in MODELS:
             raise ValueError(f"--model {self.model!r} is not one of {', '.join(MODELS)}")
         if self.schedule not in SCHEDULES or self.schedule == "forward":
@@ -85,8 +82,8 @@ class TrainConfig:
                              f"{', '.join(s for s in SCHEDULES if s != 'forward')}")
         if self.chunks == 0:
             self.chunks = 2 if self.schedule == "interleaved-1f1b" else 1
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.precision not in PRECISION_NAMES:
+            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISION_NAMES)}")
         try:
             parse_checkpoint(self.checkpoint)
         except ValueError as exc:
@@ -146,467 +143,150 @@ class TrainConfig:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+def _presets() -> str:
+    names = importlib.import_module("pipeengine.models.presets").PRESETS   # torch-free
+    return "; ".join(f"{m}: {', '.join(names[m])}" for m in MODELS)
+
+
+def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m pipeengine.train", description=(
-        "Train a model with pipeline x data parallelism. Launch with launch/pipe.sh N gpus|cpus "
-        "(torchrun) or run it as one process. Logs go to TensorBoard under --log-dir."))
-    p.add_argument("--model", default=d.model, choices=MODELS, help="model to train (default gpt)")
-    p.add_argument("--preset", default=d.preset, help="model size preset, e.g. tiny, small (default tiny)")
-    p.add_argument("--data", default=None, help="gpt: a text file or folder; resnet: an ImageFolder root. "
-                                                "Default: a byte corpus / FakeData built locally")
-    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: all processes)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / pp)")
-    p.add_argument("--schedule", default=d.schedule, help="gpipe, 1f1b, interleaved-1f1b or zb-h1 (default 1f1b)")
+    p = argparse.ArgumentParser(
+        prog="python -m pipeengine.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a model with pipeline x data parallelism. Launch with launch/pipe.sh N gpus|cpus "
+                    "(torchrun) or run it as one process. Logs go to TensorBoard under --log-dir. Settings come "
+                    "from the defaults, then --config FILE, then the flags.")
+    p.add_argument("--config", metavar="FILE", help="a TOML file of these settings (names as below, - or _)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved settings as TOML and exit")
+    p.add_argument("--model", default=d.model, choices=MODELS, help="model to train")
+    p.add_argument("--preset", default=d.preset, help=f"model size: {_presets()}")
+    p.add_argument("--data", default=d.data, help="gpt: a text file or folder; resnet: an ImageFolder root "
+                                                  "(None: a byte corpus / FakeData made locally)")
+    p.add_argument("--pp", type=int, default=d.pp, help="pipeline stages (None: all processes)")
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel replicas (None: world / pp)")
+    p.add_argument("--schedule", default=d.schedule, help="gpipe, 1f1b, interleaved-1f1b or zb-h1")
     p.add_argument("--chunks", type=int, default=d.chunks,
-                   help="model chunks per rank (default: 2 for interleaved-1f1b, else 1)")
+                   help="model chunks per rank (0: 2 for interleaved-1f1b, else 1)")
     p.add_argument("--microbatches", "-m", type=int, default=d.microbatches, help="microbatches per step per replica")
     p.add_argument("--micro-batch-size", "-b", type=int, default=d.micro_batch_size, help="examples per microbatch")
-    p.add_argument("--global-batch", type=int, default=None,
+    p.add_argument("--global-batch", type=int, default=d.global_batch,
                    help="examples per optimizer step over all replicas (sets --micro-batch-size)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default 50)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate of the cosine decay")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
-    p.add_argument("--optimizer", default=d.optimizer, choices=("adamw", "sgd"))
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--optimizer", default=d.optimizer, choices=("adamw", "sgd"), help="optimizer")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="weight decay")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global grad-norm clip (<= 0: off)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--log-dir", default=d.log_dir, help="TensorBoard root (default runs)")
-    p.add_argument("--run-name", default=None, help="sub-directory of --log-dir (default: model-schedule-time)")
-    p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="validate every N steps")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data order")
+    p.add_argument("--log-dir", default=d.log_dir, help="TensorBoard root")
+    p.add_argument("--run-name", default=d.run_name, help="sub-directory of --log-dir (None: model-schedule-time)")
+    p.add_argument("--eval-interval", type=int, default=d.eval_interval,
+                   help="validate every N steps (0: only at the end)")
     p.add_argument("--log-interval", type=int, default=d.log_interval,
                    help="a progress line (when not on a terminal) and every rank's timings (bubble, per-stage "
-                        "views) every N steps; loss and throughput go to TensorBoard every step (default 0: "
-                        "steps / 50, about 50 lines)")
-    p.add_argument("--quiet", action="store_true", help="no progress output; errors and the summary only")
+                        "views) every N steps; loss and throughput go to TensorBoard every step (0: steps / 50, "
+                        "about 50 lines)")
+    p.add_argument("--quiet", action="store_true", default=d.quiet, help="no progress output; errors and the summary")
     p.add_argument("--timeline-interval", type=int, default=d.timeline_interval,
                    help="also log the pipeline timeline image every N steps (it is always logged for the first "
-                        "step after warm-up and the last; default 25, 0: only those)")
-    p.add_argument("--trace-step", type=int, default=None, help="write a Chrome/Perfetto trace of this step")
-    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
-    p.add_argument("--backend", default=d.backend, choices=("auto", "gloo", "nccl"))
+                        "step after warm-up and the last; 0: only those)")
+    p.add_argument("--trace-step", type=int, default=d.trace_step, help="write a Chrome/Perfetto trace of this step")
+    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="where to run")
+    p.add_argument("--backend", default=d.backend, choices=("auto", "gloo", "nccl"), help="torch.distributed backend")
     p.add_argument("--timeout", type=float, default=d.timeout,
-                   help="seconds a wait may take before every rank's wait is reported and the job ends (default: "
-                        "600 until the first step, then max(60, 20 x the median step))")
+                   help="seconds a wait may take before every rank's wait is reported and the job ends (None: "
+                        f"{STARTUP_TIMEOUT:.0f} until the first step, then max(60, 20 x the median step))")
     p.add_argument("--on-nonfinite", default=d.on_nonfinite, choices=("stop", "skip"),
-                   help="a NaN/inf loss or gradient: stop and name the stage, or skip the update (default stop)")
+                   help="a NaN/inf loss or gradient: stop and name the stage, or skip the update")
     p.add_argument("--partition", default=d.partition,
                    help="stage bounds: parameters (balance parameter counts), uniform (layer counts), or explicit "
-                        "bounds 0,b1,...,L (default parameters)")
+                        "bounds 0,b1,...,L")
     p.add_argument("--checkpoint", default=d.checkpoint, metavar="none|full|every:K",
                    help="activation checkpointing per chunk: recompute its layers (full) or every K layers in B "
-                        "instead of keeping their activations (default none)")
-    p.add_argument("--precision", default=d.precision, choices=list(PRECISIONS),
+                        "instead of keeping their activations")
+    p.add_argument("--precision", default=d.precision, choices=list(PRECISION_NAMES),
                    help="bf16: autocast, activations between stages in bf16, fp32 parameters, gradients and "
-                        "optimizer state; fp16: the same with a dynamic loss scale, CUDA only (default fp32)")
+                        "optimizer state; fp16: the same with a dynamic loss scale, CUDA only")
     p.add_argument("--save-interval", type=int, default=d.save_interval, metavar="N",
-                   help="save a checkpoint every N steps and after the last step (default 0: never)")
-    p.add_argument("--save-dir", default=d.save_dir, help="checkpoint directory (default checkpoints)")
-    p.add_argument("--keep", type=int, default=d.keep, help="keep the newest K checkpoints (0: all; default 3)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="save a checkpoint every N steps and after the last step (0: never)")
+    p.add_argument("--save-dir", default=d.save_dir, help="checkpoint directory")
+    p.add_argument("--keep", type=int, default=d.keep, help="keep the newest K checkpoints (0: all)")
+    p.add_argument("--resume", nargs="?", const="latest", default=d.resume, metavar="PATH",
                    help="resume from PATH (a checkpoint or a save directory) or, without PATH, from the newest "
                         "complete checkpoint in --save-dir if there is one (else start at step 0)")
-    p.add_argument("--save-on-exit", action="store_true",
+    p.add_argument("--save-on-exit", action="store_true", default=d.save_on_exit,
                    help="on Ctrl-C or SIGTERM, finish the step in progress on every rank and save a checkpoint")
-    a = p.parse_args(argv)
-    return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
+    return p
 
 
-def _init(cfg: TrainConfig) -> tuple[torch.device, bool]:
-    """Initialise torch.distributed (torchrun env, or a one-process group) unless the caller did; pick the device.
-
-    Returns (device, whether this call created the process group).
-    """
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu (or launch/pipe.sh N cpus)")
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if want_cuda else "gloo")
-    if backend == "nccl" and not want_cuda:
-        raise ValueError("--backend nccl needs --device cuda; use gloo on CPU")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if want_cuda:
-        torch.cuda.set_device(local_rank)
-    from datetime import timedelta
-    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-    if dist.is_initialized():
-        return device, False
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # torchrun keeps one store across restarts of the group: keys of a crashed attempt (the Gloo
-        # addresses of its groups) would be read by the next one, so each attempt gets its own prefix
-        from torch.distributed.distributed_c10d import PrefixStore
-        from torch.distributed.rendezvous import rendezvous
-        limit = timedelta(seconds=cfg.timeout or STARTUP_TIMEOUT)
-        store, rank, world = next(rendezvous("env://", timeout=limit))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=PrefixStore(f"pipeengine/attempt{attempt}/", store),
-                                rank=rank, world_size=world, timeout=limit)
-        watch().watch_parent()   # a launcher killed with -9 must not leave its workers training
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-    return device, True
-
-
-def _progress(step: int, total: int, loss: float, val: float, samples_s: float, steps_s: float,
-              width: int = 24) -> str:
-    """``[####....] step 40/100  loss 2.9876  val 2.8765  3.1 steps/s  190 samples/s  ETA 0:19``."""
-    done = int(width * step / total)
-    eta = int((total - step) / steps_s) if steps_s > 0 else 0
-    val_s = f"  val {val:.4f}" if math.isfinite(val) else ""
-    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}{val_s}  {steps_s:.1f} steps/s"
-            f"  {samples_s:,.0f} samples/s  ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
-
-
-class _StopRequest:
-    """Ctrl-C / SIGTERM: every rank stops after the same step (agreed through the store); a second Ctrl-C aborts.
-
-    The first rank to see a signal after finishing ``done`` steps writes ``done + 1``: no rank can
-    have finished more steps than that yet (the end-of-step collectives couple the ranks within one
-    step), so every rank stops after exactly that step.
-    """
-
-    KEY = "pipeengine/stop-after"
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.signum: int | None = None
-        self._at: int | None = None
-        if sys.platform != "win32":
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt   # a second Ctrl-C: now
-        self.signum = self.signum or signum
-
-    def after(self, done: int) -> bool:
-        """Whether to stop now, ``done`` steps having been finished by this rank."""
-        if self.signum is not None and self._at is None:
-            self.store.compare_set(self.KEY, "", str(done + 1))
-        if self._at is None and self.store.check([self.KEY]):
-            self._at = int(self.store.get(self.KEY))
-            self.signum = self.signum or signal.SIGTERM
-        return self._at is not None and done >= self._at
-
-
-def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...]:
-    """Everything before the first step; a bad input raises ValueError on every rank alike."""
-    rank = dist.get_rank()
-    problem = None
+def load_config(path: str) -> dict[str, Any]:
+    """The settings of a TOML file, checked against :class:`TrainConfig` (names with - or _)."""
+    import tomllib
     try:
-        topo = cfg.check(world)
-        mod = importlib.import_module(f"pipeengine.models.{cfg.model}")
-        presets = mod.presets()
-        if cfg.preset not in presets:
-            raise ValueError(f"--preset {cfg.preset!r} is not a {cfg.model} preset; choose {', '.join(presets)}")
-        mcfg = presets[cfg.preset]()
-        torch.manual_seed(cfg.seed)
-        factories = mod.layer_factories(mcfg)   # each rank builds only its own stages' layers
-        stages = topo.pp * cfg.chunks
-        if len(factories) < stages:
-            raise ValueError(f"{cfg.model} ({cfg.preset}) has {len(factories)} layers but pp={topo.pp} x chunks="
-                             f"{cfg.chunks} needs {stages} stages; use fewer stages or a deeper preset")
-        source = mod.make_source(mcfg, cfg.data)
-        if rank == 0:   # only rank 0 writes logs
-            _check_writable(cfg.log_dir, "--log-dir")
-    except ValueError as exc:
-        problem = str(exc)
-    everyone: list[Any] = [None] * world   # one rank's bad input (a local path) is every rank's error
-    dist.all_gather_object(everyone, problem)
-    problem = next((p for p in everyone if p), None)
-    if problem:
-        raise ValueError(problem)
-    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.SGD
-
-    def make_opt(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        kw: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-        if cfg.optimizer == "sgd":
-            kw["momentum"] = 0.9
-        return opt_cls(ps, **kw)
-
-    engine = PipelineEngine(factories, mod.loss_fn, make_opt, topology=topo, schedule=cfg.schedule,
-                            microbatches=cfg.microbatches, chunks=cfg.chunks, seed=cfg.seed,
-                            tied=mod.tied_parameters(len(factories)), device=device, timeout=cfg.timeout,
-                            grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
-                            checkpoint=cfg.checkpoint, precision=cfg.precision, on_nonfinite=cfg.on_nonfinite,
-                            partition=cfg.partition_arg())
-    return topo, mcfg, source, engine
-
-
-def _check_writable(path: str, flag: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
     except OSError as exc:
-        raise ValueError(f"{flag} {path!r} cannot be created: {exc.strerror}; choose a writable folder") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path!r} is not writable; choose a writable folder")
+        raise ValueError(f"--config {path!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path!r} is not valid TOML: {exc}") from None
+    kinds = {f.name: f.type for f in fields(TrainConfig)}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in kinds:
+            close = difflib.get_close_matches(name, list(kinds), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(kinds)}"
+            raise ValueError(f"--config {path!r}: unknown setting {key!r}{hint}")
+        want = str(kinds[name])
+        ok = (isinstance(value, bool) if want == "bool" else isinstance(value, int) and not isinstance(value, bool)
+              if want.startswith("int") else isinstance(value, (int, float)) and not isinstance(value, bool)
+              if "float" in want else isinstance(value, str))
+        if not ok:
+            raise ValueError(f"--config {path!r}: {key} = {value!r} should be {want.replace(' | None', '')}")
+        out[name] = float(value) if "float" in want else value
+    return out
 
 
-def _exit(code: int, owned: bool) -> SystemExit:
-    if owned and code in (0, 2):
-        dist.destroy_process_group()
-    return SystemExit(code)
+def to_toml(cfg: TrainConfig) -> str:
+    """Every setting as TOML (unset ones commented out): a file to start from, and a run's record."""
+    lines = ["# pipeengine.train settings (python -m pipeengine.train --config FILE)"]
+    for name, value in asdict(cfg).items():
+        if value is None:
+            lines.append(f"# {name} =")
+        elif isinstance(value, bool):
+            lines.append(f"{name} = {str(value).lower()}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{name} = {value!r}")
+        else:
+            lines.append(f"{name} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Defaults, then ``--config FILE``, then the flags; ``--print-config`` prints the result and exits."""
+    p = _parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        try:
+            p.set_defaults(**load_config(known.config))
+        except ValueError as exc:
+            p.exit(2, f"error: {exc}\n")
+    a = vars(p.parse_args(argv))
+    a.pop("config")
+    show = a.pop("print_config")
+    cfg = TrainConfig(**a)
+    if show:
+        sys.stdout.write(to_toml(cfg))
+        p.exit(0)
+    return cfg
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    device, owned = _init(cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        topo, mcfg, source, engine = _setup(cfg, device, world)
-        start = _resume(cfg, engine)
-    except ValueError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        raise _exit(2, owned) from None
-    batches = importlib.import_module("pipeengine.models.data").batches
-    global_batch = topo.dp * cfg.microbatches * cfg.micro_batch_size
-    tokens_per_example = int(getattr(mcfg, "block_size", 0)) or None
-    run_name = cfg.run_name or f"{cfg.model}-{cfg.schedule}-pp{topo.pp}dp{topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = os.path.join(cfg.log_dir, run_name)
-    writer = MetricsWriter(run_dir, enabled=rank == 0)
-    if rank == 0:
-        print(topo.describe())
-        print(f"model {cfg.model}/{cfg.preset}: {engine.num_layers} layers, stage bounds {engine.bounds}; schedule "
-              f"{cfg.schedule}, {cfg.microbatches} microbatches x {cfg.micro_batch_size} per replica, global batch "
-              f"{global_batch}; logs in {run_dir}")
-    is_tty = sys.stdout.isatty() and not cfg.quiet
-    stop = _StopRequest(watch().store)
-
-    def data_iter(split: str, step: int) -> Any:
-        if not engine.needs_data:
-            return None
-        return iter(batches(source, split, step, cfg.seed, engine.replica, topo.dp, cfg.microbatches,
-                            cfg.micro_batch_size))
-
-    def evaluate(step: int) -> float:
-        return float(engine.eval_batch(data_iter("val", step)).loss)
-
-    warm = max(1, min(5, cfg.steps // 20))   # steps left out of the timing figures (start-up, first allocations)
-    state: dict[str, Any] = {"first_loss": float("nan"), "final_loss": float("nan"), "val_loss": float("nan"),
-                             "losses": [], "times": [], "bubbles": [], "status": "running", "steps_done": start,
-                             "timeline_steps": {min(start + warm, cfg.steps - 1), cfg.steps - 1}}
-
-    def summary() -> dict[str, Any]:
-        steady = sorted(state["times"][warm:] or state["times"] or [float("nan")])
-        median = steady[len(steady) // 2]
-        bubbles = [b for b in state["bubbles"] if b[0] >= start + warm] or state["bubbles"]
-        return {"config": asdict(cfg), "pp": topo.pp, "dp": topo.dp, "status": state["status"],
-                "first_step": start, "steps_done": state["steps_done"], "first_loss": state["first_loss"],
-                "final_loss": state["final_loss"], "val_loss": state["val_loss"], "median_step_s": median,
-                "losses": state["losses"], "skipped_steps": engine.skipped_steps,
-                "samples_per_s": global_batch / median,
-                "tokens_per_s": global_batch * tokens_per_example / median if tokens_per_example else None,
-                "warmup_steps": warm, "timed_steps": [b[0] for b in bubbles],
-                "measured_bubble": _mean([b[1] for b in bubbles]),
-                "theoretical_bubble": _mean([b[2] for b in bubbles]),
-                "closed_form_bubble": theoretical_bubble(cfg.schedule, topo.pp, cfg.microbatches, cfg.chunks),
-                "step_parts": {k: _mean([b[3][k] for b in bubbles]) for k in PARTS},
-                "oversubscribed": _oversubscribed(device)}
-
-    def save_summary() -> None:
-        if rank == 0:
-            write_json(os.path.join(run_dir, "summary.json"), summary())
-
-    code = 0
-    t_start = time.perf_counter()
-    try:
-        for step in range(start, cfg.steps):
-            if stop.after(step):
-                break
-            _train_step(cfg, engine, topo, writer, state, step, data_iter("train", step), global_batch,
-                        tokens_per_example, run_dir)
-            if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and step + 1 < cfg.steps:
-                state["val_loss"] = evaluate(step)
-                writer.log_eval(step, state["val_loss"])
-            if cfg.save_interval and ((step + 1) % cfg.save_interval == 0 or step + 1 == cfg.steps):
-                _save(cfg, engine, step + 1, is_tty)
-            if rank == 0 and not cfg.quiet and (is_tty or (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps):
-                elapsed = time.perf_counter() - t_start
-                line = _progress(step + 1, cfg.steps, state["final_loss"], state["val_loss"],
-                                 global_batch / state["times"][-1], (step + 1 - start) / elapsed)
-                print(("\r" + line + "\033[K") if is_tty else line, end="" if is_tty else "\n", flush=True)
-            if step % cfg.log_interval == 0:
-                save_summary()
-        if stop.signum is not None:
-            name = signal.Signals(stop.signum).name
-            state["status"] = f"stopped by {name} after step {state['steps_done']}"
-            if rank == 0:
-                print(f"{chr(10) if is_tty else ''}{name}: every rank stopped after step {state['steps_done']}",
-                      file=sys.stderr)
-            if cfg.save_on_exit and not (cfg.save_interval and state["steps_done"] % cfg.save_interval == 0):
-                _save(cfg, engine, state["steps_done"], False)
-            code = 128 + stop.signum
-        else:
-            state["val_loss"] = evaluate(cfg.steps)
-            writer.log_eval(cfg.steps - 1, state["val_loss"])   # at the last training step
-            state["status"] = "done"
-    except NonFiniteError as exc:   # every rank raises it alike
-        state["status"] = f"stopped: {exc}"
-        if rank == 0:
-            print(f"{chr(10) if is_tty else ''}error: {exc}", file=sys.stderr)
-        code = EXPLAINED
-    except (PeerFailed, WaitTimeout) as exc:   # rank 0 (or the reporter) printed it already
-        state["status"] = f"failed: {str(exc).splitlines()[0]}"
-        code = watch().exit_status if isinstance(exc, PeerFailed) else EXPLAINED
-    except ValueError as exc:   # a bad input met in the step (e.g. a stage that cannot take its input)
-        state["status"] = f"failed: {exc}"
-        if rank == 0:
-            print(f"{chr(10) if is_tty else ''}error: {exc}", file=sys.stderr)
-        code = 2
-    except BaseException as exc:
-        state["status"] = f"failed: {type(exc).__name__}: {exc}"
-        raise
-    finally:
-        writer.close()
-        save_summary()
-    if code:
-        raise _exit(code, owned)
-    result = summary()
-    if rank == 0:
-        if is_tty:
-            print()
-        print(_summary_text(result))
-    if owned:
-        dist.destroy_process_group()
-    return result
-
-
-def _save(cfg: TrainConfig, engine: PipelineEngine, step: int, newline: bool) -> None:
-    t_save = time.perf_counter()
-    saved = save(engine, cfg.save_dir, step, keep=cfg.keep or None,
-                 extra={"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)})
-    if dist.get_rank() == 0:
-        print(f"{chr(10) if newline else ''}saved {saved} in {time.perf_counter() - t_save:.2f} s")
-
-
-def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer: MetricsWriter,
-                state: dict[str, Any], step: int, data: Any, global_batch: int, tokens_per_example: int | None,
-                run_dir: str) -> None:
-    """One optimizer step with its logging (every rank; rank 0 writes)."""
-    rank = dist.get_rank()
-    lr = cfg.lr_at(step)
-    for g in engine.optimizer.param_groups:
-        g["lr"] = lr
-    res: StepResult = engine.train_batch(data)
-    if not state["losses"]:
-        state["first_loss"] = res.loss
-    state["final_loss"] = res.loss
-    state["losses"].append(res.loss)
-    state["times"].append(res.step_time)
-    state["steps_done"] = step + 1
-    if res.nonfinite and rank == 0:
-        print(f"step {step}: non-finite loss or gradients, update skipped ({engine.skipped_steps} so far)",
-              file=sys.stderr)
-        writer.log_scalars(step, {"train/skipped_steps": engine.skipped_steps})
-    samples_s = global_batch / res.step_time
-    timeline = step in state["timeline_steps"] or bool(cfg.timeline_interval
-                                                       and (step + 1) % cfg.timeline_interval == 0)
-    wanted = step % cfg.log_interval == 0 or step == cfg.steps - 1 or cfg.trace_step == step or timeline
-    records = gather_records(res.records) if wanted else None   # the same decision on every rank
-    if not wanted and rank == 0:
-        writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
-                                  "throughput/samples_per_s": samples_s,
-                                  **({"train/grad_norm": res.grad_norm} if res.grad_norm is not None else {})})
-    if records is not None:   # rank 0: every rank's timings of this step
-        step_time = max(r.end for rs in records.values() for r in rs)
-        # replica 0's ranks stand for their stage (replicas run the same program)
-        parts = decompose({rk: rs for rk, rs in records.items() if topo.replica_of(rk) == 0}, step_time)
-        measured = pipeline_bubble(parts)
-        theory = _theoretical(engine, records)
-        share = {k: sum(p[k] for p in parts.values()) / len(parts) / step_time for k in PARTS}
-        state["bubbles"].append((step, measured, theory, share))
-        writer.log_step(step, loss=res.loss, lr=lr, grad_norm=res.grad_norm, step_time=step_time,
-                        samples_per_s=global_batch / step_time,
-                        tokens_per_s=global_batch * tokens_per_example / step_time if tokens_per_example else None,
-                        parts_by_stage={topo.position_of(rk): p for rk, p in parts.items()},
-                        measured_bubble=measured, theoretical_bubble=theory)
-        if timeline:
-            writer.log_timeline(step, records)
-        if cfg.trace_step == step:
-            chrome_trace(records, os.path.join(run_dir, f"trace_step{step}.json"), step)
-
-
-def _resume(cfg: TrainConfig, engine: PipelineEngine) -> int:
-    """Load the checkpoint ``--resume`` asks for (rank 0 decides which, every rank loads); the step to start at."""
-    if cfg.resume is None:
-        return 0
-    choice: list[Any] = [cfg.resume]
-    if cfg.resume == "latest" and dist.get_rank() == 0:
-        found, partial = latest(cfg.save_dir)
-        for p in partial:
-            print(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
-        choice = [found]
-        if found is None:
-            print(f"no checkpoint in {cfg.save_dir!r}: starting at step 0")
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return 0
-    t0 = time.perf_counter()
-    info = load(engine, choice[0])
-    if dist.get_rank() == 0:
-        print(f"resumed from {info['path']} at step {info['step']} in {time.perf_counter() - t0:.2f} s (written "
-              f"with pp={info.get('pp')} dp={info.get('dp')} {info.get('schedule')})")
-    if info["step"] >= cfg.steps:
-        raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.steps}; "
-                         f"ask for more steps to continue training")
-    return int(info["step"])
-
-
-def _theoretical(engine: PipelineEngine, records: dict[int, list[Any]]) -> float:
-    """The simulator's bubble for this schedule fed each pipeline position's measured mean F/B/W times.
-
-    Replica 0's ranks stand for every replica (they run the same program).
-    """
-    split = engine.schedule.split_backward
-    per_position = []
-    for position in range(engine.topology.pp):
-        rs = records.get(engine.topology.rank(position, 0), [])
-        mean = {}
-        for kind in ("F", "B", "W"):
-            ds = [r.end - r.start for r in rs if r.kind == kind]
-            mean[kind] = sum(ds) / len(ds) if ds else 0.0
-        per_position.append(Costs(f=mean["F"], b=mean["B"], w=mean["W"] if split else 0.0))
-    if all(c.f + c.b <= 0 for c in per_position):
-        return 0.0
-    return simulate(engine.schedule, per_position).mean_bubble
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
-def _oversubscribed(device: torch.device) -> str | None:
-    """"8 processes x 1 thread on 2 cores" when this node's ranks want more cores than it has (CPU runs)."""
-    if device.type != "cpu":
-        return None
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = torch.get_num_threads()
-    return f"{procs} processes x {threads} threads on {cores} cores" if procs * threads > cores else None
-
-
-def _summary_text(s: dict[str, Any]) -> str:
-    c = s["config"]
-    tok = f"  tokens/s {s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else ""
-    bub, parts = "n/a", "n/a"
-    if s["measured_bubble"] is not None:
-        bub = (f"measured {s['measured_bubble']:.3f}  simulated {s['theoretical_bubble']:.3f}  closed form "
-               f"{s['closed_form_bubble']:.3f}  ({len(s['timed_steps'])} timed steps, the first "
-               f"{s['warmup_steps']} left out as warm-up)")
-        parts = "  ".join(f"{k} {100 * v:.0f}%" for k, v in s["step_parts"].items())
-        if s["oversubscribed"]:
-            parts += f"\n           ({s['oversubscribed']}: the ranks take turns, waits include CPU contention)"
-    return "\n".join([
-        "=" * 72,
-        f"model {c['model']}/{c['preset']}  schedule {c['schedule']}  pp {s['pp']} x dp {s['dp']}  "
-        f"microbatches {c['microbatches']} x {c['micro_batch_size']}  steps {c['steps']}",
-        f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",
-        f"throughput {s['samples_per_s']:,.1f} samples/s{tok}  (median step {s['median_step_s'] * 1000:.1f} ms)",
-        f"bubble     {bub}",
-        f"step time  {parts}",
-        "=" * 72,
-    ])
+    """Run one training job (see runner.py)."""
+    from .runner import run as _run
+    return _run(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -617,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     reach rank 0 through the store).
     """
     cfg = parse_args(argv)
+    import traceback
+
+    import torch.distributed as dist
     try:
         run(cfg)
     except SystemExit as exc:
