@@ -25,7 +25,7 @@
 # Slurm: see launch/slurm.sbatch.
 set -euo pipefail
 
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 
 if [[ $# -lt 2 || "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     usage
@@ -41,9 +41,16 @@ case "$KIND" in
     *) echo "pipe.sh: second argument must be 'gpus' or 'cpus' (got '$KIND')" >&2; exit 2 ;;
 esac
 
-if [[ "$DEVICE" == cuda ]] && command -v nvidia-smi >/dev/null 2>&1; then
-    NGPU=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
-    if (( NGPU < NPROC )); then
+if [[ "$DEVICE" == cuda ]]; then   # count the GPUs before starting anything: nvidia-smi, else torch itself
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        NGPU=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+    else
+        NGPU=$("${PYTHON:-python}" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+    fi
+    if (( NGPU == 0 )); then
+        echo "pipe.sh: asked for $NPROC gpus but no CUDA GPU is visible on this node; use 'launch/pipe.sh $NPROC cpus'" >&2
+        exit 2
+    elif (( NGPU < NPROC )); then
         echo "pipe.sh: asked for $NPROC gpus but this node has $NGPU; use 'launch/pipe.sh $NGPU gpus' or 'cpus'" >&2
         exit 2
     fi
