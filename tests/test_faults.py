@@ -261,9 +261,20 @@ def test_stopped_rank_is_named_as_the_culprit() -> None:
 def _pipe_sh(tmp_path: Path, *flags: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="0")
     return subprocess.Popen(["bash", str(ROOT / "launch" / "pipe.sh"), "2", "cpus", "--model", "mlp", "--steps",
-                             "100000", "--log-dir", str(tmp_path), "--run-name", "run", *flags],
+                             "100000", "--log-interval", "1", "--log-dir", str(tmp_path), "--run-name", "run", *flags],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Leave nothing behind, whatever the test saw: the launcher's session, and its workers if reparented."""
+    for pid in _workers(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate(timeout=10)
 
 
 def _workers(launcher: int) -> list[int]:
@@ -290,12 +301,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(150)
 def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) -> None:
-    proc = _pipe_sh(tmp_path, "--save-on-exit", "--save-dir", str(tmp_path / "ck"), "--log-interval", "1000")
-    _wait_for_step_line(proc, "step 3/")
-    t0 = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
-    out, err = proc.communicate(timeout=60)
-    elapsed = time.monotonic() - t0
+    proc = _pipe_sh(tmp_path, "--save-on-exit", "--save-dir", str(tmp_path / "ck"))
+    try:
+        _wait_for_step_line(proc, "step 3/")
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        _kill_group(proc)
     assert proc.returncode == 130, err[-3000:]
     assert elapsed < 15, elapsed
     assert "SIGINT: every rank stopped after step" in err and "Traceback" not in err, err[-3000:]
@@ -308,18 +322,23 @@ def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) ->
 @pytest.mark.timeout(150)
 def test_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
     proc = _pipe_sh(tmp_path)
-    _wait_for_step_line(proc, "step 2/")
-    torchrun = [pid for pid in _workers_parent(proc.pid)]
-    workers = _workers(proc.pid)
-    assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
-    os.kill(torchrun[0], signal.SIGKILL)
-    t0 = time.monotonic()
-    while any(_alive(w) for w in workers) and time.monotonic() - t0 < 20:
-        time.sleep(0.2)
-    elapsed = time.monotonic() - t0
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=10)
-    assert not any(_alive(w) for w in workers) and elapsed < 10, elapsed
+    workers: list[int] = []
+    try:
+        _wait_for_step_line(proc, "step 2/")
+        torchrun = _workers_parent(proc.pid)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
+        os.kill(torchrun[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while any(_alive(w) for w in workers) and time.monotonic() - t0 < 20:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - t0
+    finally:
+        survivors = [w for w in workers if _alive(w)]
+        for w in survivors:
+            os.kill(w, signal.SIGKILL)
+        _kill_group(proc)
+    assert not survivors and elapsed < 10, elapsed
 
 
 def _workers_parent(launcher: int) -> list[int]:

@@ -45,7 +45,7 @@ def test_pipe_sh_4_cpus_gpt_pp2_dp2_writes_tensorboard_views(tmp_path: Path) -> 
     tags = acc.Tags()
     want = {"train/loss", "train/lr", "train/grad_norm", "time/step_s", "throughput/samples_per_s",
             "throughput/tokens_per_s", "pipeline/bubble_measured", "pipeline/bubble_theoretical", "val/loss",
-            "time/stage0/F", "time/stage0/B", "time/stage1/F", "time/stage1/comm_wait", "time/stage1/idle"}
+            *(f"time/stage{s}/{part}" for s in (0, 1) for part in ("compute", "bubble", "comm", "overhead", "sync"))}
     assert want <= set(tags["scalars"]), want - set(tags["scalars"])
     assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2, 3]
     for e in acc.Scalars("throughput/samples_per_s") + acc.Scalars("throughput/tokens_per_s"):
@@ -56,6 +56,7 @@ def test_pipe_sh_4_cpus_gpt_pp2_dp2_writes_tensorboard_views(tmp_path: Path) -> 
     assert 0.05 < acc.Scalars("pipeline/bubble_theoretical")[-1].value < 0.45
     assert "pipeline/timeline" in tags["images"]
     assert "custom_scalars__config__" in tags["tensors"]
+    assert "config/text_summary" in tags["tensors"]   # the resolved configuration, as TOML
     trace = json.loads((tmp_path / "run" / "trace_step1.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"F0", "B0", "F3", "B3"} <= names
