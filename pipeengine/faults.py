@@ -204,18 +204,19 @@ class Watch:
             if self._ppid is not None and os.getppid() != self._ppid:
                 self._stop_process(f"rank {self.rank}: the launcher (pid {self._ppid}) died; stopping this worker")
             try:
+                if self._store_errors >= 3:   # the store is gone: stop asking (each try logs a C++ warning)
+                    raise RuntimeError("unreachable")
                 events = self.store.add(PREFIX + "events", 0)
                 self._store_errors = 0
+                if events != self._events:
+                    self._events = events
+                    self._on_event()
             except Exception as exc:
                 self._store_errors += 1
-                if self._store_errors >= 3 and self.peer_failure is None:
+                if self._store_errors == 3 and self.peer_failure is None:
                     self.peer_failure = (f"rank {self.rank} ({self.context}): the process group's store is "
                                          f"unreachable (its host, rank 0 or the launcher, died): {exc}")
                     self._noticed = time.monotonic()
-                continue
-            if events != self._events:
-                self._events = events
-                self._on_event()
             waiting = self._waiting
             if (self.peer_failure and waiting is not None
                     and time.monotonic() - max(self._noticed, waiting["since"]) > self.kill_after):
