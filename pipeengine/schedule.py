@@ -269,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: cannot read schedule file: {exc}", file=sys.stderr)
         return 2
+    except UnicodeDecodeError as exc:
+        print(f"error: schedule file {args.file!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+              f"{exc.start}); a schedule file has one line per rank, e.g. F0 F1 B0 B1", file=sys.stderr)
+        return 2
     except ValueError as exc:  # ScheduleError / DeadlockError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 1

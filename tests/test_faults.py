@@ -114,6 +114,15 @@ def test_bad_inputs_give_one_line_and_status_2(tmp_path: Path, capsys: pytest.Ca
         assert not torch.distributed.is_initialized()
 
 
+def test_binary_schedule_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeengine.schedule import main
+    path = tmp_path / "sched.bin"
+    path.write_bytes(b"F0 B0\n\xff\xfe\x00")
+    assert main(["--file", str(path)]) == 2
+    assert capsys.readouterr().err == (f"error: schedule file {str(path)!r} is not UTF-8 text (byte 0xff at offset 6); "
+                                       f"a schedule file has one line per rank, e.g. F0 F1 B0 B1\n")
+
+
 def mismatch_worker(rank: int, world: int) -> list[str]:
     from pipeengine.engine import PipelineEngine
     from pipeengine.faults import watch
