@@ -314,6 +314,8 @@ def main() -> None:
             print(table(rows))
     dist.barrier()   # no rank tears the group down while another still uses it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)   # see train.main: torch.distributed's C++ objects sometimes abort at interpreter exit
 
 
 if __name__ == "__main__":

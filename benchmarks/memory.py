@@ -309,6 +309,8 @@ def worker(a: argparse.Namespace, import_mib: float) -> None:
         worker_matrix(a, device, probe)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)   # see train.main: torch.distributed's C++ objects sometimes abort at interpreter exit
 
 
 # ---------------------------------------------------------------------------------------------- launcher

@@ -185,6 +185,8 @@ def main() -> None:
         print(f"Python before a batch's first op reaches Gloo (rank 0): median {_median_us(delays)} us")
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)   # see train.main: torch.distributed's C++ objects sometimes abort at interpreter exit
 
 
 if __name__ == "__main__":

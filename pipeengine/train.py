@@ -16,7 +16,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from .schedule import SCHEDULES
 
@@ -294,7 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     After a failure the process group may hold waits that never end: the process ends without
     tearing it down (see faults.py), and only rank 0 shows a crash's traceback (other ranks'
-    reach rank 0 through the store).
+    reach rank 0 through the store). Every path ends with ``os._exit`` once the output is
+    flushed: C++ objects of torch.distributed (store and Gloo threads) destroyed at interpreter
+    exit sometimes abort the process ("terminate called without an active exception"), which
+    would turn a finished run into a crash.
     """
     cfg = parse_args(argv)
     import traceback
@@ -303,18 +306,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(cfg)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-        if code in (0, 2) or not dist.is_initialized():
-            raise
-        _end(code)
+        _end(exc.code if isinstance(exc.code, int) else 1)
     except BaseException:
         if not dist.is_initialized() or dist.get_rank() == 0:
             traceback.print_exc()
         _end(1)
-    return 0
+    _end(0)
 
 
-def _end(code: int) -> None:
+def _end(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
