@@ -109,7 +109,7 @@ def pipe(n: int, *flags: str) -> list[str]:
     return ["bash", str(ROOT / "launch" / "pipe.sh"), str(n), "cpus", "--log-dir", LOGS, *flags]
 
 
-MLP = ["--model", "mlp", "--steps", "100000", "--eval-interval", "0", "--log-interval", "1000"]
+MLP = ["--model", "mlp", "--steps", "100000", "--eval-interval", "0", "--log-interval", "1"]
 LOGS = tempfile.mkdtemp(prefix="pe-faults-")
 
 
@@ -118,19 +118,12 @@ def bad_input(flags: list[str], n: int = 2) -> dict[str, Any]:
     return Run(pipe(n, "--model", "mlp", *flags)).finish(t0)
 
 
-def sigstop() -> dict[str, Any]:
-    r = Run(pipe(4, *MLP, "--timeout", "10"))
+def signal_worker(sig: int, *flags: str) -> dict[str, Any]:
+    """Send ``sig`` to rank 1 of a pp2 x dp2 run after its fifth step."""
+    r = Run(pipe(4, *MLP, *flags))
     r.wait_for("step 5/")
     procs = _tree(r.proc.pid)
-    os.kill(_workers(r.proc.pid)[1], signal.SIGSTOP)
-    return r.finish(time.monotonic(), procs=procs)
-
-
-def kill_worker() -> dict[str, Any]:
-    r = Run(pipe(4, *MLP))
-    r.wait_for("step 5/")
-    procs = _tree(r.proc.pid)
-    os.kill(_workers(r.proc.pid)[1], signal.SIGKILL)
+    os.kill(_workers(r.proc.pid)[1], sig)
     return r.finish(time.monotonic(), procs=procs)
 
 
@@ -178,8 +171,9 @@ SCENARIOS: dict[str, tuple[str, Any]] = {
     "pp3": ("`--pp 3` on 4 processes", lambda: bad_input(["--pp", "3"], 4)),
     "data": ("`--data` missing", lambda: bad_input(["--model", "gpt", "--data", "/nonexistent.txt"])),
     "logdir": ("`--log-dir` not writable", lambda: bad_input(["--log-dir", "/proc/none"])),
-    "sigstop": ("a worker stopped (SIGSTOP), `--timeout 10`, pp2 x dp2", sigstop),
-    "kill": ("a worker killed (SIGKILL), pp2 x dp2", kill_worker),
+    "sigstop": ("a worker stopped (SIGSTOP), `--timeout 10`, pp2 x dp2",
+                lambda: signal_worker(signal.SIGSTOP, "--timeout", "10")),
+    "kill": ("a worker killed (SIGKILL), pp2 x dp2", lambda: signal_worker(signal.SIGKILL)),
     "exception": ("an exception in rank 1's layer, the rank stays alive (no torchrun, 3 ranks)", layer_exception),
     "launcher": ("the launcher (torchrun) killed with SIGKILL", kill_launcher),
     "ctrlc": ("Ctrl-C (SIGINT to the process group), `--save-on-exit`", ctrl_c),
