@@ -26,7 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPLAINS = re.compile(r"(error:|pipeengine: wait-for report|SIGINT:|SIGTERM:|pipe.sh: (?!\d+ ranks)|ChildFailedError|"
-                      r"PeerFailed|launcher)")
+                      r"PeerFailed|Killed)")
 
 
 def _tree(root: int) -> set[int]:

@@ -152,7 +152,7 @@ class Watch:
                 report = self.store.get(PREFIX + "report").decode()
         except Exception as exc:   # the store is gone (its host died): this rank's view only
             return f"(no wait-for report: the store is unreachable: {exc})"
-        self._print_once(report, only_rank0=0 in lines)
+        self.print_once(report, only_rank0=0 in lines)
         return report
 
     def _collect(self, grace: float) -> dict[int, dict[str, Any]]:
@@ -166,7 +166,7 @@ class Watch:
                 return lines
             time.sleep(0.1)
 
-    def _print_once(self, text: str, only_rank0: bool = False) -> None:
+    def print_once(self, text: str, only_rank0: bool = False) -> None:
         """Rank 0 prints (the rank whose output ``launch/pipe.sh`` shows); if rank 0 is silent, the first caller."""
         if only_rank0 and self.rank != 0:
             return
@@ -238,12 +238,12 @@ class Watch:
             self.peer_failure = self._failure_text()
             self._noticed = time.monotonic()
             if self.peer_failure and self.rank == 0:
-                self._print_once(self.peer_failure)
+                self.print_once(self.peer_failure)
 
     def _stop_process(self, text: str) -> None:
         """End this process: it is blocked in a wait that nothing else will end (see the module note)."""
         if self.rank == 0:
-            self._print_once(text)
+            self.print_once(text)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(self.exit_status)

@@ -263,8 +263,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if rank == 0:
             print(f"{chr(10) if is_tty else ''}error: {exc}", file=sys.stderr)
         code = EXPLAINED
-    except (PeerFailed, WaitTimeout) as exc:   # rank 0 (or the reporter) printed it already
+    except (PeerFailed, WaitTimeout) as exc:   # shown once per job: by rank 0, unless the reporter did
         state["status"] = f"failed: {str(exc).splitlines()[0]}"
+        if rank == 0:
+            watch().print_once(f"{chr(10) if is_tty else ''}{type(exc).__name__}: {exc}")
         code = watch().exit_status if isinstance(exc, PeerFailed) else EXPLAINED
     except ValueError as exc:   # a bad input met in the step (e.g. a stage that cannot take its input)
         state["status"] = f"failed: {exc}"
