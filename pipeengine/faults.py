@@ -61,10 +61,9 @@ def adaptive_timeout(step_times: Sequence[float]) -> float:
 class Watch:
     """This rank's side of the fault channel (see the module note); one per process group."""
 
-    def __init__(self, store: Any, rank: int, world: int, grace: float | None = None) -> None:
+    def __init__(self, store: Any, rank: int, world: int) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.timeout = STARTUP_TIMEOUT
-        self.grace = grace
         self.context = ""                  # "position 1, replica 0, step 3", set by the engine
         self.doing = ""                    # the action the main thread runs, set by the engine
         self.peer_failure: str | None = None
@@ -143,8 +142,7 @@ class Watch:
             self._published = True
             if self.store.compare_set(PREFIX + "hang", "", str(self.rank)) == str(self.rank).encode():
                 self.store.add(PREFIX + "events", 1)
-            grace = self.grace if self.grace is not None else min(5.0, max(1.5, self.timeout / 2))
-            lines = self._collect(grace)
+            lines = self._collect(grace=min(5.0, max(1.5, self.timeout / 2)))
             report = wait_for_report(lines, self.world, self.timeout)
             if self.store.compare_set(PREFIX + "report", "", report) == report.encode():
                 self.store.add(PREFIX + "events", 1)
