@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -76,6 +77,10 @@ class Watch:
         self._store_errors = 0
         self._ppid: int | None = None
         self._group = dist.group.WORLD
+        try:   # where this rank runs: a silent rank in a report can then be inspected (py-spy, gdb)
+            store.set(f"{PREFIX}where/{rank}", f"pid {os.getpid()} on {socket.gethostname()}")
+        except Exception:
+            pass
         self._thread = threading.Thread(target=self._run, name="pipeengine-watch", daemon=True)
         self._thread.start()
 
@@ -143,7 +148,9 @@ class Watch:
             if self.store.compare_set(PREFIX + "hang", "", str(self.rank)) == str(self.rank).encode():
                 self.store.add(PREFIX + "events", 1)
             lines = self._collect(grace=min(5.0, max(1.5, self.timeout / 2)))
-            report = wait_for_report(lines, self.world, self.timeout)
+            where = {r: self.store.get(f"{PREFIX}where/{r}").decode() for r in range(self.world)
+                     if r not in lines and self.store.check([f"{PREFIX}where/{r}"])}
+            report = wait_for_report(lines, self.world, self.timeout, where)
             if self.store.compare_set(PREFIX + "report", "", report) == report.encode():
                 self.store.add(PREFIX + "events", 1)
             else:
@@ -258,12 +265,15 @@ def _describe(line: dict[str, Any]) -> str:
     return f"{head}: runs {line['what']}"
 
 
-def wait_for_report(lines: dict[int, dict[str, Any]], world: int, timeout: float) -> str:
-    """Who waits on whom: every rank's line, the ranks that said nothing, and a cycle of waits if there is one."""
+def wait_for_report(lines: dict[int, dict[str, Any]], world: int, timeout: float,
+                    where: dict[int, str] | None = None) -> str:
+    """Who waits on whom: every rank's line, the ranks that said nothing (``where`` they run, if known), and a
+    cycle of waits if there is one."""
     out = [f"pipeengine: wait-for report (a wait exceeded {timeout:g} s; {len(lines)} of {world} ranks answered)"]
     out += ["  " + _describe(lines[r]) for r in sorted(lines)]
     silent = [r for r in range(world) if r not in lines]
-    out += [f"  rank {r}: said nothing: stopped, dead or stuck outside the engine" for r in silent]
+    out += [f"  rank {r}" + (f" ({where[r]})" if where and r in where else "")
+            + ": said nothing: stopped, dead or stuck outside the engine" for r in silent]
     edges = {r: [p for p in ln["peers"]] for r, ln in lines.items() if ln["state"] == "waits"}
     cycle = _cycle(edges)
     if cycle:

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,11 +35,11 @@ def test_wait_for_report_names_the_silent_rank_and_the_cycle() -> None:
                  "what": "the data-parallel gradient all-reduce", "peers": [0], "secs": 19.5},
              3: {"rank": 3, "context": "position 1, replica 1, step 21", "state": "runs", "what": "F3", "peers": [],
                  "secs": 0.0}}
-    report = wait_for_report(lines, 4, 20).splitlines()
+    report = wait_for_report(lines, 4, 20, {2: "pid 4242 on node7"}).splitlines()
     assert report[0] == "pipeengine: wait-for report (a wait exceeded 20 s; 3 of 4 ranks answered)"
     assert report[1] == "  rank 0 (position 0, replica 0, step 21): waits 20.0 s in recvB0<1 for rank(s) 2"
     assert report[3] == "  rank 3 (position 1, replica 1, step 21): runs F3"
-    assert report[4] == "  rank 2: said nothing: stopped, dead or stuck outside the engine"
+    assert report[4] == "  rank 2 (pid 4242 on node7): said nothing: stopped, dead or stuck outside the engine"
     assert report[-1] == "  likely culprit: rank 2 (said nothing)"
     deadlock = {r: {"rank": r, "context": "", "state": "waits", "what": "x", "peers": [(r + 1) % 3], "secs": 5.0}
                 for r in range(3)}
@@ -262,7 +263,8 @@ def test_stopped_rank_is_named_as_the_culprit() -> None:
     assert procs[0].returncode == 3, err
     assert elapsed < 15, elapsed
     assert "pipeengine: wait-for report (a wait exceeded 4 s; 1 of 2 ranks answered)" in err, err
-    assert "rank 1: said nothing: stopped, dead or stuck outside the engine" in err
+    assert f"rank 1 (pid {procs[1].pid} on {socket.gethostname()}): said nothing: stopped, dead or stuck outside " \
+           "the engine" in err
     assert "likely culprit: rank 1 (said nothing)" in err
     assert err.count("pipeengine: wait-for report") == 2   # printed once, and carried by rank 0's exception
 
@@ -368,7 +370,6 @@ def _wait_for_step_line(proc: subprocess.Popen[str], text: str, limit: float = 9
 
 
 def test_pipe_sh_names_a_port_in_use_before_starting_anything() -> None:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
