@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from typing import Any, Sequence
@@ -87,9 +88,15 @@ class _StopRequest:
         self.store = store
         self.signum: int | None = None
         self._at: int | None = None
-        if sys.platform != "win32":
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():   # Python's rule for signal handlers
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._handler)
+                self._previous[sig] = signal.signal(sig, self._handler)
+
+    def restore(self) -> None:
+        """Give the signals back to whoever had them (run() may be called from a program of the user's)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
@@ -277,6 +284,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         state["status"] = f"failed: {type(exc).__name__}: {exc}"
         raise
     finally:
+        stop.restore()
         writer.close()
         save_summary()
     if code:

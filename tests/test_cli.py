@@ -6,6 +6,7 @@ import json
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -62,7 +63,9 @@ def test_config_file_then_flags_and_unknown_settings(tmp_path: Path, capsys: pyt
 @pytest.mark.timeout(120)
 def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = signal.getsignal(signal.SIGINT)
     s = run(parse_args(["--model", "mlp", "--steps", "6", "--log-dir", str(tmp_path), "--run-name", "r", "--quiet"]))
+    assert signal.getsignal(signal.SIGINT) is before   # run() gives Ctrl-C back to its caller
     out = capsys.readouterr().out
     assert s["measured_bubble"] == 0.0 and s["theoretical_bubble"] == 0.0 and s["status"] == "done"
     assert sum(s["step_parts"].values()) == pytest.approx(1.0, abs=0.02)
