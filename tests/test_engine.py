@@ -454,19 +454,19 @@ def test_out_of_order_schedule_hangs_in_strict_mode_and_is_rejected_by_the_valid
     (tags0, strict0), (tags1, strict1) = run_distributed(out_of_order_worker, 2, timeout=50)
     # Gloo's tag matching lets it through (so tags mode alone proves nothing) ...
     assert tags0 == tags1 and not tags0.startswith(("P2P", "Runtime")), (tags0, tags1)
-    # ... NCCL's per-peer order does not: each rank waits for the other, says on what, and both
-    # show the one assembled wait-for report: both ranks, their actions, the cycle
-    assert strict0.startswith("P2PTimeout: rank 0 (position 0, replica 0, step 0): waits 3.0 s in recvB0<1 "
-                              "for rank(s) 1: no completion after 3 s"), strict0
-    assert strict1.startswith("P2PTimeout: rank 1 (position 1, replica 0, step 0): waits 3.0 s in recvF1<0 "
-                              "for rank(s) 0"), strict1
+    # ... NCCL's per-peer order does not: each rank waits for the other. The first to time out
+    # assembles the wait-for report; both ranks end with it (the other one in its own timeout, or,
+    # if it reached its wait late on a loaded machine, as the peer failure it learns of first)
+    assert any(t.startswith("P2PTimeout: rank ") for t in (strict0, strict1)), (strict0, strict1)
     for text in (strict0, strict1):
-        report = text[text.index("pipeengine: wait-for report"):]
-        assert report == strict0[strict0.index("pipeengine: wait-for report"):]
-        assert "2 of 2 ranks answered" in report
-        for line in (r"rank 0 \(position 0, replica 0, step 0\): waits [\d.]+ s in recvB0<1 for rank\(s\) 1",
-                     r"rank 1 \(position 1, replica 0, step 0\): waits [\d.]+ s in recvF1<0 for rank\(s\) 0"):
-            assert re.search(line, report), report
+        assert text.startswith(("P2PTimeout: rank ", "PeerFailed: pipeengine: wait-for report")), text
+    report = strict0[strict0.index("pipeengine: wait-for report"):]
+    assert report == strict1[strict1.index("pipeengine: wait-for report"):]
+    assert "2 of 2 ranks answered" in report
+    lines = {r: re.search(rf"rank {r} \(position {r}, replica 0, step 0\): (.*)", report) for r in (0, 1)}
+    assert lines[0] and re.fullmatch(r"waits [\d.]+ s in recvB0<1 for rank\(s\) 1|runs \S+", lines[0][1]), report
+    assert lines[1] and re.fullmatch(r"waits [\d.]+ s in recvF1<0 for rank\(s\) 0|runs \S+", lines[1][1]), report
+    if all(m[1].startswith("waits") for m in lines.values() if m):
         assert "cycle: rank 0 -> rank 1 -> rank 0" in report
 
 
