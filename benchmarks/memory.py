@@ -408,10 +408,14 @@ def _max(recs: Any, key: str) -> float | None:
     return max(r[key] for r in recs) if isinstance(recs, list) else None
 
 
+def _head(*columns: str) -> list[str]:
+    """A Markdown table's header and rule."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def matrix_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| schedule | pp | m | ours growth MiB (A) per rank | torch growth MiB (A) per rank | ours/torch growth "
-             "| ours held MiB | torch held MiB | ours/torch peak |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = _head("schedule", "pp", "m", "ours growth MiB (A) per rank", "torch growth MiB (A) per rank",
+                  "ours/torch growth", "ours held MiB", "torch held MiB", "ours/torch peak")
     for r in rows:
         a = r["act_mib"]
         cells = []
@@ -431,8 +435,8 @@ def matrix_table(rows: list[dict[str, Any]]) -> str:
 
 
 def extra_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | variant | schedule | pp | m | growth MiB (A) per rank | held MiB per rank | "
-             "peak MiB per rank | step (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = _head("model", "variant", "schedule", "pp", "m", "growth MiB (A) per rank", "held MiB per rank",
+                  "peak MiB per rank", "step (s)")
     for r in rows:
         for v, recs in r["results"].items():
             head = f"| {r['model']} | {v} | {r['schedule']} | {r['pp']} | {r['m']} |"
@@ -447,9 +451,8 @@ def extra_table(rows: list[dict[str, Any]]) -> str:
 
 
 def gpt_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| layers given as | rank | params on rank (M) | growth by end of build MiB | peak growth MiB | "
-             "peak growth / full model's 16 B/param | rank's own share of it | step (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = _head("layers given as", "rank", "params on rank (M)", "growth by end of build MiB", "peak growth MiB",
+                  "peak growth / full model's 16 B/param", "rank's own share of it", "step (s)")
     for r in rows:
         full = r["full_state_bytes"]
         if not isinstance(r["results"], list):

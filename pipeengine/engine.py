@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .actions import Action, Kind, Schedule, Step
-from .faults import STARTUP_TIMEOUT, PeerFailed, WaitTimeout, adaptive_timeout, watch
+from .faults import STARTUP_TIMEOUT, PeerFailed, WaitTimeout, adaptive_timeout, doing_text, watch
 from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, grad_sq_norm
 from .layers import LayerSpec, build_layer, fingerprint, model_mismatch, share_tied, sizing_layers
 from .metrics import ActionClock, ActionRecord, Phase
@@ -205,6 +205,7 @@ class PipelineEngine:
                                                    for p in ch.module.parameters()}.values())
         owner = {id(p): c for c in reversed(range(len(self.chunks))) for p in self.chunks[c].module.parameters()}
         self._chunk_params = [[p for p in self.parameters if owner[id(p)] == c] for c in range(len(self.chunks))]
+        self._chunk_skips = [any(id(p) in self._norm_skip for p in ps) for ps in self._chunk_params]
         self._buffers = [b for ch in self.chunks for b in ch.module.buffers()]
         self._broadcast_initial_state()
         self.optimizer = optimizer(self.parameters)
@@ -314,9 +315,9 @@ class PipelineEngine:
         last = self.chunks[-1]
         stages = self.schedule.num_stages
         vec = torch.zeros(2 + 2 * stages, dtype=torch.float64, device=self.device)
-        for ch, params in zip(self.chunks, self._chunk_params):
+        for ch, params, skips in zip(self.chunks, self._chunk_params, self._chunk_skips):
             sq = grad_sq_norm(params)
-            vec[0] += grad_sq_norm(params, self._norm_skip) if self._norm_skip & {id(p) for p in params} else sq
+            vec[0] += grad_sq_norm(params, self._norm_skip) if skips else sq
             vec[2 + 2 * ch.stage:4 + 2 * ch.stage] += ch.nonfinite
             vec[3 + 2 * ch.stage] += (~torch.isfinite(sq)).double()
         if last.is_last:
@@ -378,7 +379,8 @@ class PipelineEngine:
             tb = tb.tb_next
         ours = tb is not None and "pipeengine" in tb.tb_frame.f_code.co_filename
         input_error = isinstance(exc, LayerError) or (ours and isinstance(exc, (ValueError, TypeError)))
-        self.watch.fail(exc, f"error: rank {self.rank} ({self.watch.context}) failed in {self.watch.doing}: "
+        doing = doing_text(self.watch.doing)
+        self.watch.fail(exc, f"error: rank {self.rank} ({self.watch.context}) failed in {doing}: "
                              f"{type(exc).__name__}: {exc}", input_error)
 
     def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
@@ -474,7 +476,7 @@ class PipelineEngine:
         a = step[0]
         chunk = self.chunks[a.chunk]
         mb = a.microbatch
-        self.watch.doing = str(a) if len(step) == 1 else " ".join(map(str, step))
+        self.watch.doing = step   # formatted only if reported (faults.doing_text)
         if a.kind is Kind.F:
             if chunk.is_first:
                 x = st.inputs[mb]

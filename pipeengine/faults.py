@@ -35,7 +35,8 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["EXPLAINED", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout", "wait_for_report"]
+__all__ = ["EXPLAINED", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout", "wait_for_report",
+           "doing_text"]
 
 EXPLAINED = 3            # exit status of a rank that stopped because of an explained fault elsewhere
 PREFIX = "pipeengine/faults/"
@@ -66,7 +67,7 @@ class Watch:
         self.store, self.rank, self.world = store, rank, world
         self.timeout = STARTUP_TIMEOUT
         self.context = ""                  # "position 1, replica 0, step 3", set by the engine
-        self.doing = ""                    # the action the main thread runs, set by the engine
+        self.doing: Any = ""               # what the main thread runs (a program step or a phrase), set by the engine
         self.peer_failure: str | None = None
         self.exit_status = EXPLAINED
         self.kill_after = 2.0              # seconds a blocked rank may still unblock by itself after a failure
@@ -90,10 +91,13 @@ class Watch:
         """Also stop this process when its launcher dies (its parent changes), even by ``kill -9``."""
         self._ppid = os.getppid()
 
-    def wait(self, work: Any, what: str, peers: Sequence[int], cuda: bool = False) -> None:
+    def wait(self, work: Any, what: Any, peers: Sequence[int], cuda: bool = False,
+             error: type[WaitTimeout] = WaitTimeout) -> None:
         """Wait for ``work`` (a c10d Work) within ``timeout``; on a timeout, assemble the wait-for report.
 
-        On CUDA the stream waits, not the host, and NCCL's own watchdog enforces the group's timeout.
+        ``what`` is formatted only if it is reported (waits are on the hot path); a timeout raises
+        ``error``. On CUDA the stream waits, not the host, and NCCL's own watchdog enforces the
+        group's timeout.
         """
         if self.peer_failure:
             raise PeerFailed(self.peer_failure)
@@ -113,11 +117,11 @@ class Watch:
             return
         if "timed out" not in why.lower() and waited < self.timeout:   # a closed connection: a peer is gone
             failure = self._failure_text(wait=2.0)
-            raise PeerFailed(failure or f"rank {self.rank} ({self.context}): {what} with rank(s) "
+            raise PeerFailed(failure or f"rank {self.rank} ({self.context}): {doing_text(what)} with rank(s) "
                                         f"{_ranks(peers)} broke after {waited:.1f} s, and no rank reported a failure "
                                         f"(killed or crashed without a trace: see its log): {why}")
         line = self._line("waits", what, peers, waited)
-        raise WaitTimeout(f"{_describe(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
+        raise error(f"{_describe(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
 
     def fail(self, exc: BaseException, summary: str, input_error: bool = False) -> None:
         """Tell every rank that this one failed (the first failure wins); called before the exception leaves."""
@@ -133,9 +137,9 @@ class Watch:
 
     # ------------------------------------------------------------------ hang reports
 
-    def _line(self, state: str, what: str = "", peers: Sequence[int] = (), secs: float = 0.0) -> dict[str, Any]:
-        return {"rank": self.rank, "context": self.context, "state": state, "what": what, "peers": list(peers),
-                "secs": round(secs, 1)}
+    def _line(self, state: str, what: Any = "", peers: Sequence[int] = (), secs: float = 0.0) -> dict[str, Any]:
+        return {"rank": self.rank, "context": self.context, "state": state, "what": doing_text(what),
+                "peers": list(peers), "secs": round(secs, 1)}
 
     def _publish(self, line: dict[str, Any]) -> None:
         self.store.set(f"{PREFIX}wait/{self.rank}", json.dumps(line))
@@ -252,6 +256,11 @@ class Watch:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(self.exit_status)
+
+
+def doing_text(what: Any) -> str:
+    """A program step (a tuple of actions) as ``F3`` or ``sendF3>1 recvB2<1``; anything else as str()."""
+    return " ".join(map(str, what)) if isinstance(what, tuple) else str(what)
 
 
 def _ranks(peers: Sequence[int]) -> str:

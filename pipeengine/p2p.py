@@ -256,10 +256,7 @@ class Wire:
             return
         watcher = self.watch or watch()
         for w in tr.works:   # on CUDA the compute stream waits, not the host (see [Note: modes])
-            try:
-                watcher.wait(w, str(tr.action), [tr.peer], cuda=self.device.type == "cuda")
-            except WaitTimeout as exc:
-                raise P2PTimeout(str(exc)) from None
+            watcher.wait(w, (tr.action,), [tr.peer], cuda=self.device.type == "cuda", error=P2PTimeout)
         tr.done = True
 
     def take(self, kind: Kind, mb: int, chunk: int) -> Any:

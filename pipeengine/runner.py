@@ -207,17 +207,21 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         return float(engine.eval_batch(data_iter("val", step)).loss)
 
     warm = max(1, min(5, cfg.steps // 20))   # steps left out of the timing figures (start-up, first allocations)
-    state: dict[str, Any] = {"first_loss": float("nan"), "final_loss": float("nan"), "val_loss": float("nan"),
-                             "losses": [], "times": [], "bubbles": [], "status": "running", "steps_done": start,
+    state: dict[str, Any] = {"val_loss": float("nan"),
+                             "losses": [], "times": [], "bubbles": [], "status": "running",
                              "timeline_steps": {min(start + warm, cfg.steps - 1), cfg.steps - 1}}
 
+    def done() -> int:   # steps finished so far
+        return start + len(state["losses"])
+
     def summary() -> dict[str, Any]:
+        losses, nan = state["losses"], float("nan")
         steady = sorted(state["times"][warm:] or state["times"] or [float("nan")])
         median = steady[len(steady) // 2]
         bubbles = [b for b in state["bubbles"] if b[0] >= start + warm] or state["bubbles"]
         return {"config": asdict(cfg), "pp": topo.pp, "dp": topo.dp, "status": state["status"],
-                "first_step": start, "steps_done": state["steps_done"], "first_loss": state["first_loss"],
-                "final_loss": state["final_loss"], "val_loss": state["val_loss"], "median_step_s": median,
+                "first_step": start, "steps_done": done(), "first_loss": (losses or [nan])[0],
+                "final_loss": (losses or [nan])[-1], "val_loss": state["val_loss"], "median_step_s": median,
                 "losses": state["losses"], "skipped_steps": engine.skipped_steps,
                 "samples_per_s": global_batch / median,
                 "tokens_per_s": global_batch * tokens_per_example / median if tokens_per_example else None,
@@ -247,19 +251,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 _save(cfg, engine, step + 1, is_tty)
             if rank == 0 and not cfg.quiet and (is_tty or (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps):
                 elapsed = time.perf_counter() - t_start
-                line = _progress(step + 1, cfg.steps, state["final_loss"], state["val_loss"],
+                line = _progress(step + 1, cfg.steps, state["losses"][-1], state["val_loss"],
                                  global_batch / state["times"][-1], (step + 1 - start) / elapsed)
                 print(("\r" + line + "\033[K") if is_tty else line, end="" if is_tty else "\n", flush=True)
             if step % cfg.log_interval == 0:
                 save_summary()
         if stop.signum is not None:
             name = signal.Signals(stop.signum).name
-            state["status"] = f"stopped by {name} after step {state['steps_done']}"
+            state["status"] = f"stopped by {name} after step {done()}"
             if rank == 0:
-                print(f"{chr(10) if is_tty else ''}{name}: every rank stopped after step {state['steps_done']}",
+                print(f"{chr(10) if is_tty else ''}{name}: every rank stopped after step {done()}",
                       file=sys.stderr)
-            if cfg.save_on_exit and not (cfg.save_interval and state["steps_done"] % cfg.save_interval == 0):
-                _save(cfg, engine, state["steps_done"], False)
+            if cfg.save_on_exit and not (cfg.save_interval and done() % cfg.save_interval == 0):
+                _save(cfg, engine, done(), False)
             code = 128 + stop.signum
         else:
             state["val_loss"] = evaluate(cfg.steps)
@@ -316,12 +320,8 @@ def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer
     for g in engine.optimizer.param_groups:
         g["lr"] = lr
     res: StepResult = engine.train_batch(data)
-    if not state["losses"]:
-        state["first_loss"] = res.loss
-    state["final_loss"] = res.loss
     state["losses"].append(res.loss)
     state["times"].append(res.step_time)
-    state["steps_done"] = step + 1
     if res.nonfinite and rank == 0:
         print(f"step {step}: non-finite loss or gradients, update skipped ({engine.skipped_steps} so far)",
               file=sys.stderr)
