@@ -116,6 +116,8 @@ class PipelineEngine:
         on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or
             "skip" (no update for that step; counted in ``skipped_steps``).
         validate_schedule: prove a given Schedule before running it (turn off only to test faults).
+        overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its
+            gradients (grad_sync.py); False posts them all after the rank's last backward.
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -125,7 +127,8 @@ class PipelineEngine:
                  tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, costs: Costs | None = None, seed: int = 0, checkpoint: str = "none",
-                 precision: str = "fp32", wire: str = "tags", on_nonfinite: str = "stop") -> None:
+                 precision: str = "fp32", wire: str = "tags", on_nonfinite: str = "stop",
+                 overlap_grad_sync: bool = True) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -213,7 +216,7 @@ class PipelineEngine:
         self._dp_peers = [self.topology.rank(self.position, r) for r in range(self.topology.dp) if r != self.replica]
         self._pp_peers = [self._global(q) for q in range(pp) if q != self.position]
         self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, self.watch,
-                                  self._dp_peers, bucket_mb)
+                                  self._dp_peers, bucket_mb, overlap_grad_sync)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c), num_stages,
                          self.microbatches, mode=wire, watcher=self.watch)
         self.clock = ActionClock(self.rank, self.device)
@@ -221,6 +224,7 @@ class PipelineEngine:
         self.eval_program: list[Step] = self.eval_schedule.programs[self.position]
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
         self._last_backward = backward[-1] if backward else -1
+        self._arm_at = self._final_gradients()
         self.needs_data = any(ch.is_first or ch.is_last for ch in self.chunks)
         self.loss_scale = 2.0**16 if precision == "fp16" else 1.0
         self._good_steps = 0
@@ -265,6 +269,19 @@ class PipelineEngine:
         # every rank joins one world collective first (NCCL wants that before subset p2p batches)
         dist.barrier()
 
+    def _final_gradients(self) -> dict[int, list[nn.Parameter]]:
+        """Program index -> parameters whose last gradient of the step that action accumulates (the
+        chunk's last B, or its last W when backward is split; the later chunk for a shared parameter)."""
+        grad_kind = Kind.W if self.schedule.split_backward else Kind.B
+        last = {st[0].chunk: i for i, st in enumerate(self.program) if st[0].kind is grad_kind}
+        at: dict[int, list[nn.Parameter]] = {}
+        for p in self.parameters:
+            owners = [c for c, ch in enumerate(self.chunks) if any(p is q for q in ch.module.parameters())]
+            index = max((last[c] for c in owners if c in last), default=None)
+            if index is not None:
+                at.setdefault(index, []).append(p)
+        return at
+
     def _global(self, position: int) -> int:
         return self.topology.rank(position, self.replica)
 
@@ -296,7 +313,8 @@ class PipelineEngine:
         for ch in self.chunks:
             ch.module.train()
             ch.loss_scale = self.loss_scale
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.grad_sync.prepare():
+            self.optimizer.zero_grad(set_to_none=True)
         buffers = [b.clone() for b in self._buffers] if self.on_nonfinite == "skip" else []
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
         sync_start = self.clock.mark()
@@ -446,6 +464,8 @@ class PipelineEngine:
         st = _StepState(train, keep_outputs, *self._read_data(data_iter))
         self.wire.begin_step()
         for idx, step in enumerate(program):
+            if train and idx in self._arm_at:
+                self.grad_sync.arm(self._arm_at[idx])
             self._execute(step, st)
             if train and idx == self._last_backward:
                 self.grad_sync.start()

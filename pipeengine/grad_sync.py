@@ -14,23 +14,43 @@ __all__ = ["GradSync", "broadcast_buffers", "grad_sq_norm", "clip_grad_norm"]
 
 
 class GradSync:
-    """Mean of gradients over a stage's DP group, in flat buckets, started asynchronously.
+    """Mean of gradients over a stage's DP group, in flat buckets that start while backward still runs.
 
-    ``start()`` is called right after the rank's last backward of a step so the all-reduce overlaps
-    the other stages' cooldown; ``finish()`` waits and writes the means back into ``param.grad``.
-    One all-reduce per bucket (per dtype, up to ``bucket_mb`` MiB), never one per parameter.
+    [Note: gradient all-reduce inside backward]
+    The gradients live in one contiguous buffer per bucket: ``prepare()`` (each train step, instead
+    of ``zero_grad``) zeroes the buffers and makes every ``param.grad`` a view of its bucket, so
+    autograd accumulates in place and nothing is copied. Buckets hold parameters in reverse order
+    (backward produces the last layers' gradients first), per dtype, up to ``bucket_mb`` MiB.
+    The engine ``arm()``s a parameter just before the backward that accumulates its last gradient
+    of the step (its chunk's last B, or W when backward is split). Its post-accumulate-grad hook
+    then counts it; a bucket whose parameters are all final is all-reduced at once,
+    asynchronously, always in bucket order (every replica posts the same collectives in the same
+    order, as NCCL requires). ``start()`` after the rank's last backward posts the buckets still
+    waiting (parameters that got no gradient), ``finish()`` waits and divides in place. The
+    values are those of an all-reduce at the end of the step, bit for bit: only the time changes.
+    ``overlap=False`` posts every bucket in ``start()``.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, size: int, watcher: Watch,
-                 peers: Sequence[int] = (), bucket_mb: float = 25.0) -> None:
+                 peers: Sequence[int] = (), bucket_mb: float = 25.0, overlap: bool = True) -> None:
         self.group = group
         self.size = size
         self.watch = watcher     # times the waits (faults.py)
         self.peers = list(peers)  # the other ranks of the group (named when a wait times out)
+        self.overlap = overlap
         self.buckets: list[list[nn.Parameter]] = []
+        self.flats: list[torch.Tensor] = []
+        self._views: list[list[torch.Tensor]] = []
+        self._where: dict[int, int] = {}            # id(param) -> bucket
+        self._armed: set[int] = set()
+        self._left: list[int] = []                  # per bucket: parameters not final yet
+        self._works: list[Any] = []                 # posted all-reduces, in bucket order
+        self.posted_early = 0                       # last step: buckets posted from inside backward
+        if size == 1:
+            return
         limit = int(bucket_mb * 2**20)
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in params:
+        for p in reversed(list(params)):
             if p.requires_grad:
                 by_dtype.setdefault(p.dtype, []).append(p)
         for ps in by_dtype.values():
@@ -44,35 +64,70 @@ class GradSync:
                 nbytes += p.numel() * p.element_size()
             if bucket:
                 self.buckets.append(bucket)
-        self._pending: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
+        for k, bucket in enumerate(self.buckets):
+            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            views, offset = [], 0
+            for p in bucket:
+                views.append(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+                self._where[id(p)] = k
+                if overlap:
+                    p.register_post_accumulate_grad_hook(self._final)  # type: ignore[no-untyped-call]
+            self.flats.append(flat)
+            self._views.append(views)
+
+    def prepare(self) -> bool:
+        """Zero the buckets and point every ``param.grad`` into them; False (do ``zero_grad``) without DP."""
+        if self.size == 1:
+            return False
+        for flat in self.flats:
+            flat.zero_()
+        for bucket, views in zip(self.buckets, self._views):
+            for p, view in zip(bucket, views):
+                p.grad = view
+        self._left = [len(b) for b in self.buckets]
+        self._works = []
+        self._armed.clear()
+        self.posted_early = 0
+        return True
+
+    def arm(self, params: Sequence[nn.Parameter]) -> None:
+        """The next backward gives these parameters their last gradient of the step."""
+        if self.overlap and self.size > 1:
+            self._armed.update(id(p) for p in params)
+
+    def _final(self, p: torch.Tensor) -> None:
+        if id(p) not in self._armed:
+            return
+        self._armed.discard(id(p))
+        self._left[self._where[id(p)]] -= 1
+        while len(self._works) < len(self.buckets) and self._left[len(self._works)] == 0:
+            self._post()
+            self.posted_early += 1
+
+    def _post(self) -> None:
+        k = len(self._works)
+        for p, view in zip(self.buckets[k], self._views[k]):
+            if p.grad is not view:   # replaced behind our back (e.g. set to None): take its value
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+        self._works.append(dist.all_reduce(self.flats[k], group=self.group, async_op=True))
 
     def start(self) -> None:
-        if self.size == 1 or self._pending:
-            return
-        for bucket in self.buckets:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in bucket])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._pending.append((bucket, flat, work))
+        """Post every bucket not posted yet (called after the rank's last backward of the step)."""
+        while len(self._works) < len(self.buckets):
+            self._post()
 
     def finish(self) -> None:
         if self.size == 1:
             return
-        if not self._pending:
-            self.start()
-        for bucket, flat, work in self._pending:
+        self.start()
+        for flat, work in zip(self.flats, self._works):
             self.watch.wait(work, "the data-parallel gradient all-reduce", self.peers, cuda=flat.is_cuda)
             flat /= self.size
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                view = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-                offset += n
-        self._pending.clear()
+        self._works = []
+        self._armed.clear()
 
 
 def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any,

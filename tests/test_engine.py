@@ -206,7 +206,8 @@ def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int,
             buffers.update({f"{start + j}.{k}": v.clone() for k, v in layer.named_buffers()})
     return {"losses": losses, "params": params, "buffers": buffers, "peaks": peaks, "replica": engine.replica,
             "stages": [c.stage for c in engine.chunks], "posted": programs_posted, "log": logs[0],
-            "num_params": sum(p.numel() for p in engine.parameters)}
+            "num_params": sum(p.numel() for p in engine.parameters),
+            "buckets": (engine.grad_sync.posted_early, len(engine.grad_sync.buckets))}
 
 
 def worker(rank: int, world: int, configs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
@@ -269,13 +270,32 @@ WORLD2: list[tuple[Any, ...]] = [
     *[("mlp", "adam", sched, 2, 1, 4, {"precision": "bf16", **({"chunks": 2} if sched.startswith("inter") else {})})
       for sched in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")],
     ("bn", "sgd", "1f1b", 1, 2, 2),
+    # DP all-reduce inside backward (default) == after it, bitwise; many small buckets
+    *[("tied", "adam", "1f1b", 1, 2, 4, {"bucket_mb": 1e-4, "overlap_grad_sync": o}) for o in (True, False)],
 ]
+
+
+def assert_overlap_is_bitwise(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]]) -> None:
+    """Every config run with overlap_grad_sync False has a twin with True: equal bit for bit, and the
+    twin posted every bucket from inside backward (their parameters all get gradients)."""
+    for k, c in enumerate(configs):
+        if len(c) > 6 and c[6].get("overlap_grad_sync") is False:
+            twin = configs.index((*c[:6], {**c[6], "overlap_grad_sync": True}))
+            for rank_results in results:
+                a, b = rank_results[k], rank_results[twin]
+                assert a["losses"] == b["losses"], (c, a["losses"], b["losses"])
+                for name, v in a["params"].items():
+                    assert torch.equal(b["params"][name], v), (c, name)
+                early, buckets = b["buckets"]
+                assert buckets > 1 and early == buckets, (configs[twin], early, buckets)
+                assert a["buckets"][0] == 0
 
 
 @pytest.mark.timeout(400)
 def test_world2_pp2_and_dp2_equal_single_process() -> None:
     results = run_distributed(worker, 2, WORLD2, timeout=380)
     check(results, WORLD2)
+    assert_overlap_is_bitwise(results, WORLD2)
     # tied copies on one rank are one Parameter: pp=1 holds one parameter fewer than the untied model
     i, j = WORLD2.index(("tied", "adam", "1f1b", 1, 2, 4)), WORLD2.index(("mlp", "sgd", "1f1b", 1, 2, 4))
     assert results[0][i]["num_params"] == results[0][j]["num_params"] - DIM * DIM
@@ -307,6 +327,9 @@ WORLD4: list[tuple[Any, ...]] = [
     ("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, {"chunks": 2}),
     ("tuple", "adam", "interleaved-1f1b", 4, 1, 4, {"chunks": 2}),
     ("mlp", "sgd", "1f1b", 4, 1, 8, {"wire": "tags"}),
+    *[(*c, {**x, "bucket_mb": 1e-4, "overlap_grad_sync": o}) for o in (True, False)
+      for *c, x in [("mlp", "sgd", "1f1b", 2, 2, 4, {}), ("mlp", "adam", "zb-h1", 2, 2, 4, {}),
+                    ("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, {"chunks": 2})]],
 ]
 
 
@@ -314,6 +337,7 @@ WORLD4: list[tuple[Any, ...]] = [
 def test_world4_pp4_and_pp2dp2_equal_single_process_and_memory_bound() -> None:
     results = run_distributed(worker, 4, WORLD4, timeout=380)
     check(results, WORLD4)
+    assert_overlap_is_bitwise(results, WORLD4)
     for i, cfg in enumerate(WORLD4):
         sched, pp, dp, m = cfg[2:6]
         peaks = stage_peaks(results, i)
@@ -333,13 +357,15 @@ def test_world4_pp4_and_pp2dp2_equal_single_process_and_memory_bound() -> None:
                 assert not set(a["params"]) & set(b["params"])
 
 
-WORLD8 = [("mlp", "adam", "1f1b", 4, 2, 8), ("mlp", "sgd", "gpipe", 4, 2, 8)]
+WORLD8 = [("mlp", "adam", "1f1b", 4, 2, 8), ("mlp", "sgd", "gpipe", 4, 2, 8),
+          *[("mlp", "adam", "1f1b", 4, 2, 8, {"bucket_mb": 1e-4, "overlap_grad_sync": o}) for o in (True, False)]]
 
 
 @pytest.mark.timeout(400)
 def test_world8_pp4_dp2_equals_single_process() -> None:
     results = run_distributed(worker, 8, WORLD8, timeout=380)
     check(results, WORLD8)
+    assert_overlap_is_bitwise(results, WORLD8)
 
 
 # ------------------------------------------------------------------ per-stage construction and memory
