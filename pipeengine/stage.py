@@ -23,9 +23,23 @@ Megatron's ``deallocate_output_tensor`` does. An output that is a view, or that 
 chunk's inputs, keeps its data (freeing it would free someone else's).
 
 [Note: split backward]
-Zero-bubble schedules split backward into B (gradients of the chunk's inputs only, graph kept)
-and W (gradients of the parameters, graph freed), both from the same roots with an explicit
-``inputs=`` list: B never touches ``param.grad`` and W never touches the inputs.
+Zero-bubble schedules split backward into B (gradients of the chunk's inputs only) and W
+(gradients of the parameters). W must cost only the weight part, so it must not run the
+input path again. Before B, the chunk's graph is walked once (``_weight_groups``): for each
+parameter, the *branch nodes* are the first nodes on the input path (between the chunk's inputs
+and its outputs) that its gradient flows through, e.g. the ``AddmmBackward`` of a Linear whose
+other operand came from the input. B runs with ``inputs=`` the chunk's inputs (autograd then
+computes no weight branch at all) and a pre-hook on every branch node keeps the gradient
+arriving there. W starts from those nodes with the kept gradients and ``inputs=`` the parameters
+of one group (parameters sharing a branch node), so autograd computes only ``dW``; the same
+node functions with the same incoming gradients as one fused backward, so the gradients are
+equal bit for bit. When a group has several branch nodes, one downstream of the other, pre-hooks
+pin each node's incoming gradient to the kept one so nothing is counted twice.
+
+Not covered this way, so W runs from the roots again as before (cost b + w): parameters whose
+gradient reaches the outputs without crossing the input path, the first chunk (its inputs need
+no gradient: B is empty and W is the whole backward), and checkpointed chunks (every separate
+backward pass recomputes a region, so one pass over the roots is cheaper than one per group).
 
 [Note: activation checkpointing]
 ``checkpoint="full"`` runs the chunk's layers as one ``torch.utils.checkpoint`` region
@@ -36,11 +50,13 @@ backward recomputes the rest; ``"every:K"`` makes one region of every K consecut
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 __all__ = ["LayerChain", "LayerError", "StageChunk", "PRECISIONS", "parse_checkpoint"]
@@ -112,16 +128,95 @@ def _deallocate(t: torch.Tensor, inputs: Tensors) -> None:
         t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
 
 
-def _run_backward(roots: Tensors, grads: Tensors, inputs: Tensors, keep_graph: bool) -> None:
+def _keep(store: dict[int, tuple[torch.Tensor | None, ...]], i: int,
+          grads: tuple[torch.Tensor | None, ...]) -> None:
+    store[i] = grads
+
+
+def _pin(grads: tuple[torch.Tensor | None, ...], _incoming: tuple[torch.Tensor | None, ...]) -> Any:
+    return grads
+
+
+def _run_backward(roots: Any, grads: Tensors, inputs: Tensors, keep_graph: bool) -> None:
     torch.autograd.Variable._execution_engine.run_backward(
         roots, grads, keep_graph, False, inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """The autograd node of ``t``: its grad_fn, or the AccumulateGrad of a leaf."""
+    if t.grad_fn is not None or not t.requires_grad:
+        return t.grad_fn
+    with torch.enable_grad():
+        view = t.view_as(t).grad_fn
+        return view.next_functions[0][0] if view is not None else None
+
+
+@dataclass
+class _WeightGroup:
+    """Parameters whose gradients leave the input path at the same branch nodes (see [Note: split backward])."""
+
+    nodes: list[Node]
+    params: list[torch.Tensor]
+    grads: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)   # node index -> kept grads
+
+
+def _weight_groups(roots: Tensors, inputs: Tensors,
+                   params: Tensors) -> tuple[list[_WeightGroup], list[torch.Tensor]]:
+    """Group ``params`` by the branch nodes where their gradients leave the input path; also return the
+    parameters with a gradient that never crosses the input path (W must run from the roots for them)."""
+    consumers: dict[Node, list[Node]] = {}
+    stack = [n for n in map(_grad_node, roots) if n is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                consumers.setdefault(nxt, []).append(node)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+    on_path: set[Node] = set()         # nodes between the inputs and the roots
+    stack = [n for n in map(_grad_node, inputs) if n is not None]
+    while stack:
+        for c in consumers.get(stack.pop(), ()):
+            if c not in on_path:
+                on_path.add(c)
+                stack.append(c)
+    groups: dict[Node, _WeightGroup] = {}
+    elsewhere: list[torch.Tensor] = []
+    for p in params:
+        start = _grad_node(p)
+        if start not in consumers:
+            continue   # no gradient in this microbatch
+        branch: set[Node] = set()
+        walked, stack = {start}, [start]
+        while stack:
+            for c in consumers.get(stack.pop(), ()):
+                if c in on_path:
+                    branch.add(c)
+                elif c not in walked:
+                    walked.add(c)
+                    stack.append(c)
+        if not branch or walked & set(map(_grad_node, roots)):
+            elsewhere.append(p)
+            continue
+        merged = {id(g): g for n in branch if (g := groups.get(n)) is not None}
+        group = _WeightGroup(sorted(branch, key=id), [p])
+        for g in merged.values():
+            group.params += g.params
+            group.nodes = list({id(n): n for n in group.nodes + g.nodes}.values())
+        for n in group.nodes:
+            groups[n] = group
+    return list({id(g): g for g in groups.values()}.values()), elsewhere
 
 
 @dataclass
 class _Saved:
     inputs: Tensors                  # leaves that need gradients (floating inputs of a non-first chunk)
     roots: Tensors                   # where backward starts (the scaled loss on the last stage)
-    grads: Tensors = field(default=())   # gradients of the roots (kept for W when backward is split)
+    grads: Tensors = field(default=())   # gradients of the roots (kept for W when it runs from the roots)
+    groups: list[_WeightGroup] = field(default_factory=list)   # split backward: what W runs from
+    rest: Tensors = ()               # split backward: parameters W reaches from the roots
 
 
 class StageChunk:
@@ -219,9 +314,22 @@ class StageChunk:
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
         roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
         if split:   # See [Note: split backward]
+            saved.rest = self._params
             if saved.inputs and roots:
-                _run_backward(roots, rgrads, saved.inputs, keep_graph=True)
-            saved.grads = root_grads
+                if self.regions is None:
+                    saved.groups, rest = _weight_groups(roots, saved.inputs, self._params)
+                    saved.rest = tuple(rest)
+                handles = [n.register_prehook(functools.partial(_keep, g.grads, i))
+                           for g in saved.groups for i, n in enumerate(g.nodes)]
+                try:
+                    _run_backward(roots, rgrads, saved.inputs, keep_graph=True)
+                finally:
+                    for h in handles:
+                        h.remove()
+            if saved.rest:
+                saved.grads = root_grads
+            else:
+                saved.roots = ()   # W starts from the branch nodes: what only the roots held can go
         elif roots:
             _run_backward(roots, rgrads, (), keep_graph=False)
         result = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs)
@@ -234,9 +342,22 @@ class StageChunk:
     def backward_weight(self, mb: int) -> None:
         """Run W after a split B: accumulate the parameter gradients and free the microbatch."""
         saved = self.saved.pop(mb)
+        for group in saved.groups:
+            edges = [(GradientEdge(n, k), g) for i, n in enumerate(group.nodes)
+                     for k, g in enumerate(group.grads.get(i, ())) if g is not None]
+            if not edges:
+                continue
+            pins = [n.register_prehook(functools.partial(_pin, group.grads[i]))
+                    for i, n in enumerate(group.nodes) if len(group.nodes) > 1 and i in group.grads]
+            try:
+                _run_backward(tuple(e for e, _ in edges), tuple(g for _, g in edges), tuple(group.params),
+                              keep_graph=True)
+            finally:
+                for h in pins:
+                    h.remove()
         pairs = [(r, g) for r, g in zip(saved.roots, saved.grads) if r.requires_grad]
-        if pairs and self._params:
-            _run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), self._params, keep_graph=False)
+        if pairs and saved.rest:
+            _run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), saved.rest, keep_graph=False)
 
     def _count_nonfinite(self, i: int, tensors: Tensors) -> None:
         """Count tensors holding a NaN or inf into ``nonfinite[i]`` (a sum per tensor, no host sync)."""
