@@ -21,6 +21,7 @@ that went non-finite (``"stop"``). Every wait is timed and watched (faults.py).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -35,10 +36,11 @@ from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, grad_sq_norm
 from .layers import LayerSpec, build_layer, fingerprint, model_mismatch, share_tied, sizing_layers
 from .metrics import ActionClock, ActionRecord, Phase
 from .p2p import Wire
+from .partition import Choice, LayerCost, choose_bounds, profile_layers
 from .partition import partition as partition_layers
 from .schedule import compile_schedule
 from .simulate import Costs, validate
-from .stage import LayerChain, LayerError, StageChunk
+from .stage import PRECISIONS, LayerChain, LayerError, StageChunk
 from .topology import ProcessGroups, Topology, build_groups
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
@@ -102,7 +104,11 @@ class PipelineEngine:
         schedule: a name (gpipe, 1f1b, interleaved-1f1b, zb-h1) or a compiled :class:`Schedule`.
         microbatches: microbatches per step and replica (the data iterator yields them one by one).
         chunks: model chunks per rank (interleaved schedules).
-        partition: "parameters", "uniform", or explicit stage boundaries ``[0, b1, ..., len(layers)]``.
+        partition: "profile" (measure every layer's F, B and W on ``sample``, in parallel over the ranks,
+            and take the bounds whose simulated step with this schedule is shortest, see
+            partition.py), "parameters", "uniform", or explicit bounds ``[0, b1, ..., len(layers)]``.
+        sample: one microbatch ``(inputs, target)`` for ``partition="profile"`` (every rank passes it).
+        memory_cap: bytes per rank the profile partition may plan for (None: no limit).
         tied: groups of ``(layer index, parameter name)`` that are one logical parameter; the first
             entry's value wins at the start.
         grad_clip: clip the global gradient norm to this value (None: only measure it).
@@ -128,7 +134,8 @@ class PipelineEngine:
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, costs: Costs | None = None, seed: int = 0, checkpoint: str = "none",
                  precision: str = "fp32", wire: str = "tags", on_nonfinite: str = "stop",
-                 overlap_grad_sync: bool = True) -> None:
+                 overlap_grad_sync: bool = True, sample: tuple[Any, Any] | None = None,
+                 memory_cap: float | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -170,8 +177,14 @@ class PipelineEngine:
 
         specs = list(layers)
         sizing = sizing_layers(specs)
-        self.bounds = self._agree(sizing, seed, num_stages, partition)
+        self.loss_fn = loss_fn
+        self.partition_choice: Choice | None = None
+        self.bounds = self._agree(specs, sizing, seed, num_stages, partition, sample, memory_cap, precision)
         del sizing
+        if self.partition_choice is not None and isinstance(schedule, str) and costs is None:
+            # the schedule's communication order (and zb-h1's variant) from the measured costs
+            f, b, w = (sum(c[k] for c in self.partition_choice.stage_costs) / num_stages for k in range(3))
+            self.schedule = compile_schedule(schedule, pp, microbatches, chunks, Costs(f, b, w))
         self.num_layers = len(specs)
         stage_of_layer = {i: s for s in range(num_stages) for i in range(self.bounds[s], self.bounds[s + 1])}
         my_stages = [self.schedule.stage(self.position, c) for c in range(self.schedule.chunks)]
@@ -232,8 +245,9 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _agree(self, sizing: list[nn.Module], seed: int, num_stages: int,
-               partition: str | Sequence[int]) -> list[int]:
+    def _agree(self, specs: list[LayerSpec], sizing: list[nn.Module], seed: int, num_stages: int,
+               partition: str | Sequence[int], sample: tuple[Any, Any] | None, memory_cap: float | None,
+               precision: str) -> list[int]:
         """Check that every rank was given the same model (one all-gather of fingerprints), then take
         rank 0's stage bounds (computed once, broadcast; an error in them is raised on every rank)."""
         mine = (seed, [fingerprint(m) for m in sizing])
@@ -242,10 +256,17 @@ class PipelineEngine:
         mismatch = model_mismatch(everyone)
         if mismatch:
             raise ValueError(mismatch)
+        profiled: list[LayerCost] = []
+        if partition == "profile" and num_stages > 1:
+            profiled = self._profile(specs, seed, sample, precision)
         answer: list[Any] = [None]
         if self.rank == 0:
             try:
-                if isinstance(partition, str):
+                if profiled:
+                    answer[0] = choose_bounds(profiled, self.schedule, memory_cap)
+                elif partition == "profile":
+                    answer[0] = [0, len(specs)]
+                elif isinstance(partition, str):
                     answer[0] = partition_layers(sizing, num_stages, partition)
                 else:
                     answer[0] = partition_layers(sizing, num_stages, boundaries=list(partition))
@@ -254,7 +275,55 @@ class PipelineEngine:
         dist.broadcast_object_list(answer, src=0)
         if isinstance(answer[0], str):
             raise ValueError(answer[0])
+        if isinstance(answer[0], Choice):
+            self.partition_choice = answer[0]
+            return list(answer[0].bounds)
         return list(answer[0])
+
+    def _profile(self, specs: list[LayerSpec], seed: int, sample: tuple[Any, Any] | None,
+                 precision: str) -> list[LayerCost]:
+        """Every layer's measured costs, on every rank. Rank r profiles a contiguous share of the layers
+        (copies, or built from the factories) on its own device: it receives its share's input from rank
+        r - 1, passes its share's output on at once (one forward, no grad), then times its share while
+        the later ranks do theirs. A failure on any rank is raised on every rank."""
+        if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise ValueError("partition='profile' needs sample=(inputs, target): one microbatch, on every rank, "
+                             "to time the layers on (or choose partition='parameters')")
+        n, world = len(specs), dist.get_world_size()
+        owners = min(n, world)
+        shares = partition_layers(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
+        result: Any = []
+        if self.rank < owners:
+            lo, hi = shares[self.rank], shares[self.rank + 1]
+            x: Any = _to(sample[0], self.device)
+            if self.rank > 0:
+                got: list[Any] = [None]
+                dist.recv_object_list(got, src=self.rank - 1)
+                x = _to(got[0], self.device)
+            try:
+                if isinstance(x, str):
+                    raise ValueError(x)
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    layers = [build_layer(copy.deepcopy(specs[i]) if isinstance(specs[i], nn.Module) else specs[i],
+                                          i, seed).to(self.device) for i in range(lo, hi)]
+                    with torch.no_grad(), torch.autocast(self.device.type, enabled=precision != "fp32",
+                                                         dtype=PRECISIONS[precision] or torch.float32):
+                        out = LayerChain(layers, lo)(x)
+                    if self.rank + 1 < owners:
+                        dist.send_object_list([_to(out, torch.device("cpu"))], dst=self.rank + 1)
+                    result, _ = profile_layers(layers, lo, n, x, loss_fn=self.loss_fn,
+                                               target=_to(sample[1], self.device), device=self.device,
+                                               precision=precision)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                result = f"profiling layers {lo}..{hi - 1} on rank {self.rank} failed: {exc}"
+                if self.rank + 1 < owners and not isinstance(x, str):
+                    dist.send_object_list([result], dst=self.rank + 1)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, result)
+        failed = next((r for r in everyone if isinstance(r, str)), None)
+        if failed:
+            raise ValueError(failed)
+        return [c for r in everyone for c in r]
 
     def _broadcast_initial_state(self) -> None:
         """Make DP replicas and tied copies start bit-identical (replica 0 / the tie's first entry wins)."""

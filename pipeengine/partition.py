@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["PartitionError", "balance_min_max", "partition", "split", "measure_costs", "describe"]
+if TYPE_CHECKING:
+    from .actions import Schedule
 
-METHODS = ("parameters", "uniform", "cost")
+__all__ = ["PartitionError", "balance_min_max", "partition", "split", "measure_costs", "describe", "LayerCost",
+           "profile_layers", "choose_bounds", "Choice"]
+
+METHODS = ("profile", "parameters", "uniform", "cost")
 
 
 class PartitionError(ValueError):
@@ -106,6 +111,9 @@ def partition(layers: Sequence[nn.Module], num_stages: int, method: str = "param
             raise PartitionError(f"method 'cost' needs one cost per layer ({n}), got "
                                  f"{'none' if costs is None else len(costs)}; see measure_costs()")
         return balance_min_max(list(costs), num_stages)
+    if method == "profile":
+        raise PartitionError("partition 'profile' measures the layers on the ranks: the engine does it "
+                             "(PipelineEngine(..., partition='profile', sample=one microbatch))")
     raise PartitionError(f"unknown partition method {method!r}; choose one of {', '.join(METHODS)} "
                          f"or pass boundaries=")
 
@@ -143,3 +151,193 @@ def describe(layers: Sequence[nn.Module], bounds: Sequence[int]) -> str:
         n = sum(counts[bounds[s]:bounds[s + 1]])
         lines.append(f"stage {s}: layers {bounds[s]}..{bounds[s + 1] - 1}  {n:,} params ({100 * n / total:.1f}%)")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- partition by measured cost
+
+@dataclass
+class LayerCost:
+    """One layer on one microbatch, as the engine runs it: seconds of F, of B and W (split backward, see
+    stage.py) and of the fused backward, the bytes it keeps for backward (its output included) and the
+    bytes of its parameters."""
+
+    f: float
+    b: float
+    w: float
+    fused: float
+    activation_bytes: int
+    param_bytes: int
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+    def phases(self, split: bool) -> tuple[float, float, float]:
+        """(f, b, w) as the simulator takes them: without a split, B runs b + w = the fused backward."""
+        return (self.f, self.b, self.w) if split else (self.f, max(0.0, self.fused - self.w), self.w)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
+                   precision: str = "fp32", repeats: int = 3) -> tuple[list[LayerCost], Any]:
+    """Measure ``layers`` (model layers ``first``, ``first + 1``, ...) on one microbatch ``x``, the input of
+    ``layers[0]``: each layer runs F, B and W as a one-layer chunk of the engine (the model's first layer
+    as a first stage, its last with ``loss_fn`` on ``target``). Median of ``repeats`` runs after one
+    warm-up. Returns the costs and the output of the last layer (the next share's input).
+
+    The layers are used as given: pass copies (profiling runs them in train mode, so BatchNorm
+    statistics move, and leaves gradients behind).
+    """
+    from .stage import StageChunk, LayerChain, _detach, _flat   # stage imports nothing from here
+
+    costs: list[LayerCost] = []
+    for i, layer in enumerate(layers):
+        index = first + i
+        stage = 0 if index == 0 else 2 if index == num_layers - 1 else 1
+        chunk = StageChunk(LayerChain([layer], index), stage, 3, loss_fn, 1, precision=precision)
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        times: list[tuple[float, ...]] = []
+        out: Any = None
+        for rep in range(repeats + 1):
+            row = []
+            for split in (False, True):
+                chunk.reset()
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = chunk.forward(0, _detach(x), target if stage == 2 else None, True)
+                _sync(device)
+                t1 = time.perf_counter()
+                grads = (None if stage == 2 else
+                         tuple(torch.ones_like(t) for t in _flat(out) if t.is_floating_point()))
+                chunk.backward(0, grads, split=split)
+                _sync(device)
+                t2 = time.perf_counter()
+                if split:
+                    chunk.backward_weight(0)
+                    _sync(device)
+                row += [t1 - t0, t2 - t1, time.perf_counter() - t2]
+            if rep:
+                times.append(((row[0] + row[3]) / 2, row[4], row[5], row[1]))
+        for p in layer.parameters():
+            p.grad = None
+        out_bytes = sum(t.numel() * t.element_size() for t in _flat(out)) if out is not None else 0
+        f, b, w, fused = (statistics.median(t[k] for t in times) for k in range(4))
+        costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(saved.values()) + out_bytes,
+                               param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters())))
+        x = out
+    return costs, x
+
+
+@dataclass
+class Choice:
+    """What the profile partition chose: bounds, the per-stage costs (seconds per microbatch) and the
+    simulated step (seconds, compute only) and peak memory estimate per rank (bytes)."""
+
+    bounds: list[int]
+    stage_costs: list[tuple[float, float, float]]
+    makespan: float
+    memory: list[float]
+    candidates: int
+    split: bool = False   # the schedule splits backward into B and W
+
+    def describe(self, schedule_name: str) -> str:
+        lines = [f"partition profile: bounds {self.bounds} (best of {self.candidates} simulated splits), "
+                 f"predicted compute per step {1e3 * self.makespan:.1f} ms with {schedule_name}"]
+        for s, (f, b, w) in enumerate(self.stage_costs):
+            back = f"B {1e3 * b:.2f} ms  W {1e3 * w:.2f} ms" if self.split else f"backward {1e3 * (b + w):.2f} ms"
+            lines.append(f"  stage {s}: layers {self.bounds[s]}..{self.bounds[s + 1] - 1}  per microbatch "
+                         f"F {1e3 * f:.2f} ms  {back}")
+        lines.append("  peak memory estimate per rank: " + ", ".join(f"{m / 2**30:.2f} GiB" for m in self.memory))
+        return "\n".join(lines)
+
+
+def choose_bounds(costs: Sequence[LayerCost], schedule: "Schedule", memory_cap: float | None = None,
+                  state_factor: float = 4.0, max_candidates: int = 300) -> Choice:
+    """Contiguous stage bounds minimising the simulated makespan of ``schedule`` with these layer costs.
+
+    Candidates: every split whose slowest stage is within 1.5x of the best possible slowest stage
+    (the ``max_candidates`` most balanced if there are more), each simulated (the first and last
+    stage carry their data and loss work, which the layer costs include). A rank's memory is
+    estimated as ``state_factor`` x its parameter bytes (parameter, gradient, two Adam moments) plus
+    its schedule's peak of microbatches in flight x the activation bytes of a microbatch; with
+    ``memory_cap`` (bytes) splits above it are left out.
+    """
+    from .simulate import Costs, simulate
+
+    n, stages, pp = len(costs), schedule.num_stages, schedule.pp
+    if n < stages:
+        raise PartitionError(f"{n} layers cannot fill {stages} stages (each stage needs >= 1 layer)")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c.total)
+    placement = [schedule.placement(s) for s in range(stages)]
+    split = schedule.split_backward
+    peaks = simulate(schedule, Costs()).peak_in_flight
+
+    def memory(bounds: list[int]) -> list[float]:
+        mem = [0.0] * pp
+        act = [0.0] * pp
+        for s in range(stages):
+            r = placement[s][0]
+            layer = costs[bounds[s]:bounds[s + 1]]
+            mem[r] += state_factor * sum(c.param_bytes for c in layer)
+            act[r] = max(act[r], float(sum(c.activation_bytes for c in layer)))
+        return [m + peaks[r] * act[r] for r, m in enumerate(mem)]
+
+    def enumerate_splits(limit: float, cap: int) -> list[list[int]]:
+        found: list[list[int]] = []
+
+        def rec(start: int, s: int, acc: list[int]) -> None:
+            if len(found) >= cap:
+                return
+            if s == stages - 1:
+                if prefix[n] - prefix[start] <= limit:
+                    found.append(acc + [n])
+                return
+            for end in range(start + 1, n - (stages - 1 - s) + 1):
+                if prefix[end] - prefix[start] > limit:
+                    break
+                rec(end, s + 1, acc + [end])
+        rec(0, 0, [0])
+        return found
+
+    def widest(bounds: list[int]) -> float:
+        return max(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:]))
+
+    candidates = enumerate_splits(1.5 * widest(balance_min_max([c.total for c in costs], stages)) + 1e-12, 100_000)
+    if memory_cap is not None:
+        candidates = [b for b in candidates if max(memory(b)) <= memory_cap]
+        if not candidates:   # the cap may need an unbalanced split
+            candidates = [b for b in enumerate_splits(float("inf"), 100_000) if max(memory(b)) <= memory_cap]
+        if not candidates:
+            least = min(enumerate_splits(float("inf"), 100_000), key=lambda b: max(memory(b)))
+            raise PartitionError(f"no split of the {n} layers into {stages} stages fits the memory cap of "
+                                 f"{memory_cap / 2**30:.2f} GiB per rank; the least is "
+                                 f"{max(memory(least)) / 2**30:.2f} GiB (bounds {least}). Raise the cap, use "
+                                 f"more pipeline ranks, or activation checkpointing")
+    candidates = sorted(candidates, key=lambda b: (widest(b), b))[:max_candidates]
+    scored = []
+    for bounds in candidates:
+        per_stage = [tuple(sum(c.phases(split)[k] for c in costs[bounds[s]:bounds[s + 1]]) for k in range(3))
+                     for s in range(stages)]
+        rank_costs = []
+        for r in range(pp):
+            mine = [per_stage[s] for s in range(stages) if placement[s][0] == r]
+            rank_costs.append(Costs(*(sum(x[k] for x in mine) / len(mine) for k in range(3))))
+        scored.append((simulate(schedule, rank_costs).makespan, widest(bounds), bounds, per_stage))
+    makespan, _, bounds, per_stage = min(scored, key=lambda x: (x[0], x[1], x[2]))
+    return Choice(list(bounds), [(f, b, w) for f, b, w in per_stage], makespan, memory(bounds), len(scored), split)

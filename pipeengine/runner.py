@@ -148,12 +148,18 @@ def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...
             kw["momentum"] = 0.9
         return opt_cls(ps, **kw)
 
+    sample = None
+    if cfg.partition == "profile":   # time the layers on the run's first microbatch
+        batches = importlib.import_module("pipeengine.models.data").batches
+        sample = next(iter(batches(source, "train", 0, cfg.seed, 0, topo.dp, cfg.microbatches,
+                                   cfg.micro_batch_size)))
     engine = PipelineEngine(factories, mod.loss_fn, make_opt, topology=topo, schedule=cfg.schedule,
                             microbatches=cfg.microbatches, chunks=cfg.chunks, seed=cfg.seed,
                             tied=mod.tied_parameters(len(factories)), device=device, timeout=cfg.timeout,
                             grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
                             checkpoint=cfg.checkpoint, precision=cfg.precision, on_nonfinite=cfg.on_nonfinite,
-                            partition=cfg.partition_arg())
+                            partition=cfg.partition_arg(), sample=sample,
+                            memory_cap=cfg.memory_cap * 2**30 if cfg.memory_cap else None)
     return topo, mcfg, source, engine
 
 
@@ -191,6 +197,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     writer.log_text("config", "".join(f"    {line}\n" for line in to_toml(cfg).splitlines()))   # a code block
     if rank == 0 and not cfg.quiet:
         print(topo.describe())
+        if engine.partition_choice is not None:
+            print(engine.partition_choice.describe(engine.schedule.name))
         print(f"model {cfg.model}/{cfg.preset}: {engine.num_layers} layers, stage bounds {engine.bounds}; schedule "
               f"{cfg.schedule}, {cfg.microbatches} microbatches x {cfg.micro_batch_size} per replica, global batch "
               f"{global_batch}; logs in {run_dir}")

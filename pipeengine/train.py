@@ -63,7 +63,8 @@ class TrainConfig:
     backend: str = "auto"         #: auto, gloo or nccl
     timeout: float | None = None  #: seconds a wait may take (None: 600 s, after the first step max(60, 20 x median))
     on_nonfinite: str = "stop"    #: a non-finite loss or gradient: stop (name the stage) or skip the step
-    partition: str = "parameters"  #: stage bounds: parameters, uniform, or explicit bounds "0,3,6,10"
+    partition: str = "profile"    #: stage bounds: profile (measured), parameters, uniform, or explicit "0,3,6,10"
+    memory_cap: float | None = None  #: GiB per rank the profile partition may plan for (None: no limit)
     checkpoint: str = "none"      #: activation checkpointing per chunk: none, full or every:K (layers per region)
     precision: str = "fp32"       #: fp32, bf16 (autocast, bf16 between stages) or fp16 (CUDA, loss scaling)
     save_interval: int = 0        #: save a checkpoint every N steps and after the last one (0: never)
@@ -102,6 +103,10 @@ class TrainConfig:
         if self.trace_step is not None and not 0 <= self.trace_step < self.steps:
             raise ValueError(f"--trace-step {self.trace_step} is not one of the run's steps 0..{self.steps - 1}")
         self.partition_arg()
+        if self.memory_cap is not None and not self.memory_cap > 0:
+            raise ValueError(f"--memory-cap must be a positive number of GiB (got {self.memory_cap:g})")
+        if self.memory_cap is not None and self.partition != "profile":
+            raise ValueError("--memory-cap is planned for by --partition profile only; drop it or use profile")
         if self.log_interval == 0:
             self.log_interval = max(1, self.steps // 50)
         for name in ("microbatches", "micro_batch_size", "steps", "chunks", "log_interval"):
@@ -127,12 +132,12 @@ class TrainConfig:
 
     def partition_arg(self) -> str | list[int]:
         """``--partition`` for the engine: a method name, or explicit stage bounds."""
-        if self.partition in ("parameters", "uniform"):
+        if self.partition in ("profile", "parameters", "uniform"):
             return self.partition
         try:
             return [int(b) for b in self.partition.split(",")]
         except ValueError:
-            raise ValueError(f"--partition must be parameters, uniform or stage bounds like 0,3,6,10 (got "
+            raise ValueError(f"--partition must be profile, parameters, uniform or stage bounds like 0,3,6,10 (got "
                              f"{self.partition!r})") from None
 
     def lr_at(self, step: int) -> float:
@@ -198,9 +203,13 @@ def _parser() -> argparse.ArgumentParser:
                         f"{STARTUP_TIMEOUT:.0f} until the first step, then max(60, 20 x the median step))")
     p.add_argument("--on-nonfinite", default=d.on_nonfinite, choices=("stop", "skip"),
                    help="a NaN/inf loss or gradient: stop and name the stage, or skip the update")
-    p.add_argument("--partition", default=d.partition,
-                   help="stage bounds: parameters (balance parameter counts), uniform (layer counts), or explicit "
-                        "bounds 0,b1,...,L")
+    p.add_argument("--partition", default=d.partition, metavar="profile|parameters|uniform|B0,B1,...",
+                   help="stage bounds: profile (time every layer's F, B and W on the first microbatch, in parallel "
+                        "over the ranks, and take the split whose simulated step is shortest; printed at start), "
+                        "parameters (balance parameter counts), uniform (layer counts), or explicit bounds 0,b1,...,L")
+    p.add_argument("--memory-cap", type=float, default=d.memory_cap, metavar="GiB",
+                   help="with --partition profile: leave out splits whose estimated peak memory on a rank (4 x its "
+                        "parameters + its activations in flight) exceeds this")
     p.add_argument("--checkpoint", default=d.checkpoint, metavar="none|full|every:K",
                    help="activation checkpointing per chunk: recompute its layers (full) or every K layers in B "
                         "instead of keeping their activations")
