@@ -214,6 +214,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         for rep in range(repeats + 1):
             row = []
             for split in (False, True):
+                saved.clear()   # the bytes of the last forward are kept
                 chunk.reset()
                 _sync(device)
                 t0 = time.perf_counter()

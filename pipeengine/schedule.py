@@ -255,7 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--show-program", action="store_true",
                         help="also print each rank's lowered program (compute and comm steps)")
     parser.add_argument("--width", type=int, default=200, help="maximum timeline width in columns")
+    prof = parser.add_argument_group(
+        "profile a model", "with --profile MODEL: time every layer of an example model on this machine (one "
+        "process), then print the measured costs and, for every schedule, the bounds the profile partition "
+        "picks, the simulated step and the peak memory, to choose a schedule before launching")
+    prof.add_argument("--profile", metavar="MODEL", choices=("gpt", "resnet", "mlp"), help="gpt, resnet or mlp")
+    prof.add_argument("--preset", default="tiny", help="the model's named size (default tiny)")
+    prof.add_argument("--micro-batch-size", type=int, default=4, help="examples per microbatch (default 4)")
+    prof.add_argument("--memory-cap", type=float, metavar="GiB", help="per-rank memory the split must fit")
     args = parser.parse_args(argv)
+    if args.profile:
+        return _profile_main(args)
     costs = Costs(args.tf, args.tb, args.tw, args.comm)
     try:
         if args.file:
@@ -282,6 +292,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show_program:
         print(format_schedule(sched))
     print(summary(sched, result, costs))
+    return 0
+
+
+def _profile_main(args: argparse.Namespace) -> int:
+    """``--profile``: measured layer costs, and every schedule's best split for them (imports torch)."""
+    import importlib
+
+    import torch
+
+    from .partition import PartitionError, choose_bounds, profile_layers
+    from .stage import LayerError
+
+    mod = importlib.import_module(f"pipeengine.models.{args.profile}")
+    presets = mod.presets()
+    if args.preset not in presets:
+        print(f"error: --preset {args.preset!r} is not a {args.profile} preset; choose {', '.join(presets)}",
+              file=sys.stderr)
+        return 2
+    if args.pp < 2 or args.microbatches < 1 or args.micro_batch_size < 1:
+        print("error: --pp must be >= 2 and --microbatches, --micro-batch-size >= 1", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    cfg = presets[args.preset]()
+    layers = [f() for f in mod.layer_factories(cfg)]
+    batches = importlib.import_module("pipeengine.models.data").batches
+    x, y = next(iter(batches(mod.make_source(cfg, None), "train", 0, 0, 0, 1, 1, args.micro_batch_size)))
+    try:
+        costs, _ = profile_layers(layers, 0, len(layers), x, loss_fn=mod.loss_fn, target=y,
+                                  device=torch.device("cpu"))
+    except LayerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.profile}/{args.preset}: {len(layers)} layers, microbatch of {args.micro_batch_size} on cpu, "
+          f"{torch.get_num_threads()} threads; ms per microbatch (the last layer includes the loss)")
+    print(f"{'layer':>5} {'F':>8} {'B':>8} {'W':>8} {'B+W fused':>10} {'act MiB':>8} {'param MiB':>9}")
+    for i, c in enumerate(costs):
+        print(f"{i:>5} {1e3 * c.f:8.2f} {1e3 * c.b:8.2f} {1e3 * c.w:8.2f} {1e3 * c.fused:10.2f} "
+              f"{c.activation_bytes / 2**20:8.2f} {c.param_bytes / 2**20:9.2f}")
+    print(f"\n{'schedule':<28} {'bounds':<28} {'step ms':>8} {'bubble':>7} {'peak in flight':>15} "
+          f"{'GiB per rank (est.)':>20}")
+    cap = args.memory_cap * 2**30 if args.memory_cap else None
+    for name in [n for n in SCHEDULES if n != "forward"]:
+        chunks = 2 if name == "interleaved-1f1b" else 1
+        label = name + (" (chunks 2)" if chunks > 1 else "")
+        try:
+            sched = compile_schedule(name, args.pp, args.microbatches, chunks)
+            choice = choose_bounds(costs, sched, cap)
+        except (ValueError, PartitionError) as exc:
+            print(f"{label:<28} {str(exc).splitlines()[0]}")
+            continue
+        f, b, w = (sum(c[k] for c in choice.stage_costs) / len(choice.stage_costs) for k in range(3))
+        sched = compile_schedule(name, args.pp, args.microbatches, chunks, Costs(f, b, w))
+        result = simulate(sched, [Costs(*(sum(x[k] for s, x in enumerate(choice.stage_costs)
+                                              if sched.placement(s)[0] == r) / chunks for k in range(3)))
+                                  for r in range(args.pp)])
+        print(f"{label:<28} {str(choice.bounds):<28} {1e3 * result.makespan:8.1f} {result.mean_bubble:7.3f} "
+              f"{' '.join(map(str, result.peak_in_flight)):>15} "
+              f"{' '.join(f'{m / 2**30:.2f}' for m in choice.memory):>20}")
     return 0
 
 

@@ -351,3 +351,18 @@ def test_interleaved_suggests_distinct_valid_microbatches(pp: int, m: int, sugge
         build_schedule("interleaved-1f1b", pp, m, 2)
     assert suggestion in str(exc.value)
     build_schedule("interleaved-1f1b", 3, 9, 2)  # a multiple: no error
+
+
+@pytest.mark.timeout(120)
+def test_profile_cli_prints_measured_costs_and_every_schedules_split(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--profile", "mlp", "--preset", "tiny", "--pp", "2", "-m", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and
+            line.split()[0] in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}, out
+    layers = [line for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert len(layers) == 10   # mlp tiny: one row of costs per layer
+    bounds = [int(b) for b in rows["1f1b"].split("[")[1].split("]")[0].split(",")]
+    assert bounds[0] == 0 and bounds[-1] == 10 and len(bounds) == 3
+    assert main(["--profile", "mlp", "--preset", "huge", "--pp", "2"]) == 2
+    assert "not a mlp preset" in capsys.readouterr().err
