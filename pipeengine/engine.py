@@ -62,6 +62,7 @@ class StepResult:
     outputs: list[Any] | None = None                            # eval on the last stage, if asked
     skipped: bool = False                                       # no optimizer step (non-finite, see below)
     nonfinite: bool = False                                     # the loss or gradients were non-finite
+    grad_sync_wait: float = 0.0                                 # seconds waiting for the DP all-reduce
 
 
 @dataclass
@@ -300,6 +301,7 @@ class PipelineEngine:
                 got: list[Any] = [None]
                 dist.recv_object_list(got, src=self.rank - 1)
                 x = _to(got[0], self.device)
+            passed = self.rank + 1 == owners   # the next share's input (or the error) went on
             try:
                 if isinstance(x, str):
                     raise ValueError(x)
@@ -309,14 +311,15 @@ class PipelineEngine:
                     with torch.no_grad(), torch.autocast(self.device.type, enabled=precision != "fp32",
                                                          dtype=PRECISIONS[precision] or torch.float32):
                         out = LayerChain(layers, lo)(x)
-                    if self.rank + 1 < owners:
+                    if not passed:
                         dist.send_object_list([_to(out, torch.device("cpu"))], dst=self.rank + 1)
+                        passed = True
                     result, _ = profile_layers(layers, lo, n, x, loss_fn=self.loss_fn,
                                                target=_to(sample[1], self.device), device=self.device,
                                                precision=precision)
             except (ValueError, TypeError, RuntimeError) as exc:
                 result = f"profiling layers {lo}..{hi - 1} on rank {self.rank} failed: {exc}"
-                if self.rank + 1 < owners and not isinstance(x, str):
+                if not passed:
                     dist.send_object_list([result], dst=self.rank + 1)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, result)
@@ -389,6 +392,7 @@ class PipelineEngine:
         sync_start = self.clock.mark()
         self.watch.doing = "the end-of-step gradient sync"
         self.grad_sync.finish()
+        synced = self.clock.mark()
         for p, group, _ in self._ties:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -435,6 +439,7 @@ class PipelineEngine:
         self.clock.add(self.chunks[0].stage, Phase.SYNC, -1, sync_start, self.clock.mark())
         result.records = self.clock.records()
         result.step_time = max(r.end for r in result.records)
+        result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
         self.step_count += 1
         return result
 

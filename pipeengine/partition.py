@@ -207,7 +207,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
             storage = t.untyped_storage()
             if storage.data_ptr() not in params:
                 saved[storage.data_ptr()] = storage.nbytes()
-            return t
+            return t.detach()   # not ``t``: the chunk frees its output's storage in place after F
 
         times: list[tuple[float, ...]] = []
         out: Any = None

@@ -161,6 +161,13 @@ def profile_worker(rank: int, world: int) -> list[Any]:
                        memory_cap=2**20)
     except ValueError as exc:
         out.append(str(exc))
+    broken = sleep_layers()
+    broken[1] = SleepLayer(0.0, -1.0, 0.0)   # its backward raises, after rank 0 passed its share's output on
+    try:
+        PipelineEngine(broken, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                       topology=Topology(2, 1), partition="profile", sample=sample)
+    except ValueError as exc:
+        out.append(str(exc))
     return out
 
 
@@ -177,3 +184,4 @@ def test_profile_partition_measures_in_parallel_and_every_rank_agrees() -> None:
     assert capped == [0, 4, 6]   # 5 layers of 1 MiB parameters (x4 with grads and Adam) no longer fit
     assert all("needs sample=(inputs, target)" in r for r in results[0][2:4])
     assert "fits the memory cap of 0.00 GiB" in results[0][4] and results[0][4] == results[1][4]
+    assert results[0][5] == results[1][5] and results[0][5].startswith("profiling layers 0..2 on rank 0 failed")
