@@ -316,7 +316,7 @@ class PipelineEngine:
                         passed = True
                     result, _ = profile_layers(layers, lo, n, x, loss_fn=self.loss_fn,
                                                target=_to(sample[1], self.device), device=self.device,
-                                               precision=precision)
+                                               precision=precision, split=self.schedule.split_backward)
             except (ValueError, TypeError, RuntimeError) as exc:
                 result = f"profiling layers {lo}..{hi - 1} on rank {self.rank} failed: {exc}"
                 if not passed:

@@ -13,7 +13,7 @@ from torch import nn
 if TYPE_CHECKING:
     from .actions import Schedule
 
-__all__ = ["PartitionError", "balance_min_max", "partition", "split", "measure_costs", "describe", "LayerCost",
+__all__ = ["PartitionError", "balance_min_max", "partition", "split", "describe", "LayerCost",
            "profile_layers", "choose_bounds", "Choice"]
 
 METHODS = ("profile", "parameters", "uniform", "cost")
@@ -82,7 +82,7 @@ def partition(layers: Sequence[nn.Module], num_stages: int, method: str = "param
     ``boundaries`` (full bounds, num_stages + 1 entries) overrides ``method``. "uniform" balances
     layer counts (extra layers go to the later stages); "parameters" balances parameter counts
     (parameter-free layers weigh a little, so they still spread); "cost" balances ``costs``
-    (e.g. from :func:`measure_costs`).
+    (e.g. each layer's total from :func:`profile_layers`).
     """
     n = len(layers)
     if boundaries is not None:
@@ -109,7 +109,7 @@ def partition(layers: Sequence[nn.Module], num_stages: int, method: str = "param
     if method == "cost":
         if costs is None or len(costs) != n:
             raise PartitionError(f"method 'cost' needs one cost per layer ({n}), got "
-                                 f"{'none' if costs is None else len(costs)}; see measure_costs()")
+                                 f"{'none' if costs is None else len(costs)}; see profile_layers()")
         return balance_min_max(list(costs), num_stages)
     if method == "profile":
         raise PartitionError("partition 'profile' measures the layers on the ranks: the engine does it "
@@ -120,26 +120,6 @@ def partition(layers: Sequence[nn.Module], num_stages: int, method: str = "param
 
 def split(layers: Sequence[nn.Module], bounds: Sequence[int]) -> list[list[nn.Module]]:
     return [list(layers[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
-
-
-def measure_costs(layers: Sequence[nn.Module], sample_input: Any, repeats: int = 3) -> list[float]:
-    """Median seconds of forward + backward of each layer, chaining the sample through the list."""
-    costs: list[list[float]] = [[] for _ in layers]
-    for _ in range(repeats):
-        x: Any = sample_input
-        for i, layer in enumerate(layers):
-            inputs = x if isinstance(x, tuple) else (x,)
-            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
-                           for t in inputs)
-            t0 = time.perf_counter()
-            out = layer(inputs if isinstance(x, tuple) else inputs[0])   # one argument, as nn.Sequential
-            outs = out if isinstance(out, tuple) else (out,)
-            floats = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if floats:
-                torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
-            costs[i].append(time.perf_counter() - t0)
-            x = tuple(o.detach() for o in outs) if isinstance(out, tuple) else out.detach()
-    return [statistics.median(c) for c in costs]
 
 
 def describe(layers: Sequence[nn.Module], bounds: Sequence[int]) -> str:
@@ -184,7 +164,8 @@ def _sync(device: torch.device) -> None:
 
 def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
                    loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
-                   precision: str = "fp32", repeats: int = 3) -> tuple[list[LayerCost], Any]:
+                   precision: str = "fp32", split: bool | None = None,
+                   repeats: int = 3) -> tuple[list[LayerCost], Any]:
     """Measure ``layers`` (model layers ``first``, ``first + 1``, ...) on one microbatch ``x``, the input of
     ``layers[0]``: each layer runs F, B and W as a one-layer chunk of the engine (the model's first layer
     as a first stage, its last with ``loss_fn`` on ``target``). Median of ``repeats`` runs after one
@@ -213,7 +194,10 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         out: Any = None
         for rep in range(repeats + 1):
             row = []
-            for split in (False, True):
+            for mode in (False, True):
+                if split is not None and mode != split:
+                    row += [0.0, 0.0, 0.0]
+                    continue
                 saved.clear()   # the bytes of the last forward are kept
                 chunk.reset()
                 _sync(device)
@@ -224,15 +208,17 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
                 t1 = time.perf_counter()
                 grads = (None if stage == 2 else
                          tuple(torch.ones_like(t) for t in _flat(out) if t.is_floating_point()))
-                chunk.backward(0, grads, split=split)
+                chunk.backward(0, grads, split=mode)
                 _sync(device)
                 t2 = time.perf_counter()
-                if split:
+                if mode:
                     chunk.backward_weight(0)
                     _sync(device)
                 row += [t1 - t0, t2 - t1, time.perf_counter() - t2]
-            if rep:
-                times.append(((row[0] + row[3]) / 2, row[4], row[5], row[1]))
+            if rep:   # (f, b, w, fused)
+                fused_f, fused, _, split_f, b, w = row
+                times.append(((fused_f + split_f) / 2, b, w, fused) if split is None else
+                             (split_f, b, w, b + w) if split else (fused_f, fused, 0.0, fused))
         for p in layer.parameters():
             p.grad = None
         out_bytes = sum(t.numel() * t.element_size() for t in _flat(out)) if out is not None else 0

@@ -96,3 +96,24 @@ def test_memory_smoke(tmp_path: Path) -> None:
     assert all(abs(a - b) <= 1.0 for a, b in zip(*ours)), ours          # flat in m (MiB, page rounding)
     held = [max(rank["held_mib"] for rank in r["results"]["torch"]) for r in rows]
     assert held[1] > held[0] + 8 * 2 * 0.9, held                       # torch: a receive buffer per microbatch
+
+
+@pytest.mark.timeout(240)
+def test_real_models_smoke(tmp_path: Path) -> None:
+    """benchmarks/real.py on the tiny MLP: every variant timed, ratios paired per round, the table printed."""
+    out = tmp_path / "real.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "benchmarks" / "real.py"), "--model", "mlp", "--preset", "tiny", "-m", "4",
+           "--micro-batch-size", "4", "--rounds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    variants = {"ours profile 1f1b", "ours profile zb-h1", "ours parameters 1f1b", "ours uniform 1f1b",
+                "torch 1F1B (uniform)", "torch ZB (uniform)", "single process (accumulation)"}
+    assert set(row["throughput"]) == variants | {"machine bound"}
+    assert all(len(row["times"][v]) == 2 for v in variants | {"halves at once"})
+    assert row["vs_torch"]["torch 1F1B (uniform)"] == 1.0 and set(row["vs_torch"]) == variants
+    assert row["bounds"]["ours uniform 1f1b"] == [0, 5, 10] and len(row["bounds"]["ours profile 1f1b"]) == 3
+    assert row["predicted_s"] > 0 and len(row["halves_at_once_s"]) == 2
+    assert "| mlp/tiny | 2 x 1 | ours profile 1f1b |" in proc.stderr

@@ -1,0 +1,65 @@
+"""Zero-bubble B + W against the fused backward, on GPT blocks (one process, one thread).
+
+    python benchmarks/split_backward.py            # 4 blocks, batch 8, seq 128, width 256 (the issue's case)
+    python benchmarks/split_backward.py --blocks 8 --width 512
+
+A middle pipeline chunk of GPT blocks runs F then either the fused backward or B then W (see
+[Note: split backward] in pipeengine/stage.py), alternating, after two warm-up rounds; printed:
+median milliseconds of each and the ratio (B + W) / fused. 1.0 means W costs only the weight part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipeengine.models import gpt  # noqa: E402
+from pipeengine.stage import LayerChain, StageChunk  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=15)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = gpt.Config(block_size=a.seq, n_layer=a.blocks, n_head=8, n_embd=a.width)
+    chunk = StageChunk(LayerChain([gpt.Block(cfg) for _ in range(a.blocks)], 1), 1, 3, gpt.loss_fn, 1)
+    x = torch.randn(a.batch, a.seq, a.width)
+    gy = torch.randn(a.batch, a.seq, a.width)
+    times: dict[str, list[float]] = {"fused": [], "B": [], "W": []}
+    for r in range(a.rounds + 2):
+        for split in (False, True) if r % 2 else (True, False):
+            chunk.reset()
+            chunk.forward(0, x.clone(), None, True)
+            t0 = time.perf_counter()
+            chunk.backward(0, (gy,), split)
+            t1 = time.perf_counter()
+            if split:
+                chunk.backward_weight(0)
+            t2 = time.perf_counter()
+            if r >= 2:
+                if split:
+                    times["B"].append(t1 - t0)
+                    times["W"].append(t2 - t1)
+                else:
+                    times["fused"].append(t1 - t0)
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(f"{a.blocks} GPT blocks, batch {a.batch}, seq {a.seq}, width {a.width}, one thread, {a.rounds} rounds: "
+          f"fused backward {med['fused']:.1f} ms, B {med['B']:.1f} ms + W {med['W']:.1f} ms = "
+          f"{med['B'] + med['W']:.1f} ms, (B + W) / fused = {(med['B'] + med['W']) / med['fused']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
