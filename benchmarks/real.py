@@ -20,7 +20,8 @@ warm-up round left out), as examples (images, or tokens for GPT) per second. Var
 - with dp > 1: ours with the DP all-reduce inside backward (default) and after it
   (``overlap_grad_sync=False``); the exposed wait for the DP all-reduce at pipeline position 0.
 
-Every rank uses one thread. Also printed: the profile partition's predicted step (compute only,
+Every rank uses one thread and glibc malloc keeps freed memory for reuse (pipeengine/hostalloc.py,
+as the trainer does on CPU). Also printed: the profile partition's predicted step (compute only,
 simulated from the measured layer costs) against its measured step.
 Output: one JSON line per configuration (stdout and --out); ``--all`` runs the set of
 configurations and rewrites the table in benchmarks/README.md.
@@ -45,6 +46,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeengine.engine import PipelineEngine  # noqa: E402
+from pipeengine.hostalloc import keep_freed_memory  # noqa: E402
 from pipeengine.layers import build_layer  # noqa: E402
 from pipeengine.partition import partition as split_bounds  # noqa: E402
 from pipeengine.topology import Topology  # noqa: E402
@@ -311,6 +313,7 @@ def main() -> None:
         run_all(a.out, table_only=a.table)
         return
     torch.set_num_threads(1)
+    keep_freed_memory()   # as the trainer does on CPU; both engines share the process, so both gain
     dist.init_process_group("gloo")
     row = run_config(a.model, a.preset, a.pp or dist.get_world_size(), a.microbatches, a.micro_batch_size, a.rounds,
                      a.only)

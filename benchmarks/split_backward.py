@@ -2,6 +2,7 @@
 
     python benchmarks/split_backward.py            # 4 blocks, batch 8, seq 128, width 256 (the case)
     python benchmarks/split_backward.py --blocks 8 --width 512
+    python benchmarks/split_backward.py --keep-freed-memory   # glibc tuned as the trainer tunes it on CPU
 
 A middle pipeline chunk of GPT blocks runs F then either the fused backward or B then W (see
 [Note: split backward] in pipeengine/stage.py), alternating, after two warm-up rounds; printed:
@@ -20,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipeengine.hostalloc import keep_freed_memory  # noqa: E402
 from pipeengine.models import gpt  # noqa: E402
 from pipeengine.stage import LayerChain, StageChunk  # noqa: E402
 
@@ -31,7 +33,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="tune glibc malloc first, as the trainer does on CPU (pipeengine/hostalloc.py)")
     a = p.parse_args()
+    if a.keep_freed_memory:
+        keep_freed_memory()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = gpt.Config(block_size=a.seq, n_layer=a.blocks, n_head=8, n_embd=a.width)
@@ -56,7 +62,9 @@ def main() -> None:
                 else:
                     times["fused"].append(t1 - t0)
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    print(f"{a.blocks} GPT blocks, batch {a.batch}, seq {a.seq}, width {a.width}, one thread, {a.rounds} rounds: "
+    allocator = "kept freed memory" if a.keep_freed_memory else "glibc defaults"
+    print(f"{allocator}: {a.blocks} GPT blocks, batch {a.batch}, seq {a.seq}, width {a.width}, one thread, "
+          f"{a.rounds} rounds: "
           f"fused backward {med['fused']:.1f} ms, B {med['B']:.1f} ms + W {med['W']:.1f} ms = "
           f"{med['B'] + med['W']:.1f} ms, (B + W) / fused = {(med['B'] + med['W']) / med['fused']:.3f}")
 

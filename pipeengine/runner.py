@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .checkpoint import latest, load, save
 from .engine import NonFiniteError, PipelineEngine, StepResult
 from .faults import EXPLAINED, STARTUP_TIMEOUT, PeerFailed, WaitTimeout, watch
+from .hostalloc import keep_freed_memory
 from .metrics import PARTS, MetricsWriter, chrome_trace, decompose, gather_records, pipeline_bubble, write_json
 from .schedule import Costs, simulate, theoretical_bubble
 from .topology import Topology
@@ -46,6 +47,8 @@ def _init(cfg: TrainConfig) -> tuple[torch.device, bool]:
         torch.cuda.set_device(local_rank)
     from datetime import timedelta
     device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if not want_cuda:
+        keep_freed_memory()   # hostalloc.py: large tensors reused, not page-faulted in every microbatch
     if dist.is_initialized():
         return device, False
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -87,3 +87,10 @@ def test_split_backward_is_bitwise_the_fused_one_and_w_runs_only_weight_matmuls(
     # nothing computed twice: B + W do exactly the fused backward's matrix products, W only dW's
     weights = sum(1 for p in ch._params if p.dim() >= 2)
     assert b_mm + w_mm == fused_mm and w_mm == 2 * weights, (b_mm, w_mm, fused_mm, weights)
+
+
+def test_keep_freed_memory_tunes_glibc_here() -> None:
+    import platform
+
+    from pipeengine.hostalloc import keep_freed_memory
+    assert keep_freed_memory() is (platform.libc_ver()[0] == "glibc")
