@@ -66,10 +66,13 @@ def _opt(ps: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(ps, lr=1e-4)
 
 
+BUCKET_MB: dict[str, float] = {}   # --bucket-mb: the engines' DP bucket size (default: the engine's)
+
+
 def ours(mod: Any, mcfg: Any, topo: Topology, m: int, data: list[Any], schedule: str, partition: str,
          overlap: bool = True) -> tuple[Callable[[], Any], PipelineEngine]:
     engine = PipelineEngine(mod.layer_factories(mcfg), mod.loss_fn, _opt, topology=topo, schedule=schedule,
-                            microbatches=m, partition=partition, sample=data[0],
+                            microbatches=m, partition=partition, sample=data[0], **BUCKET_MB,
                             tied=mod.tied_parameters(len(mod.layer_factories(mcfg))), overlap_grad_sync=overlap)
 
     def step() -> Any:
@@ -307,11 +310,14 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one more warms up)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "real.jsonl"))
+    p.add_argument("--bucket-mb", type=float, help="DP all-reduce bucket size of our engines (MiB)")
     p.add_argument("--only", nargs="*", help="time only the variants whose names contain one of these")
     a = p.parse_args()
     if a.all or a.table:
         run_all(a.out, table_only=a.table)
         return
+    if a.bucket_mb:
+        BUCKET_MB["bucket_mb"] = a.bucket_mb
     torch.set_num_threads(1)
     keep_freed_memory()   # as the trainer does on CPU; both engines share the process, so both gain
     dist.init_process_group("gloo")

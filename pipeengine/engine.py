@@ -124,7 +124,8 @@ class PipelineEngine:
             "skip" (no update for that step; counted in ``skipped_steps``).
         validate_schedule: prove a given Schedule before running it (turn off only to test faults).
         overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its
-            gradients (grad_sync.py); False posts them all after the rank's last backward.
+            gradients (grad_sync.py); False posts them all after the rank's last backward. Default
+            None: on CUDA only (see [Note: gradient all-reduce inside backward] for why not on CPU).
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -135,7 +136,7 @@ class PipelineEngine:
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, costs: Costs | None = None, seed: int = 0, checkpoint: str = "none",
                  precision: str = "fp32", wire: str = "tags", on_nonfinite: str = "stop",
-                 overlap_grad_sync: bool = True, sample: tuple[Any, Any] | None = None,
+                 overlap_grad_sync: bool | None = None, sample: tuple[Any, Any] | None = None,
                  memory_cap: float | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
@@ -230,7 +231,8 @@ class PipelineEngine:
         self._dp_peers = [self.topology.rank(self.position, r) for r in range(self.topology.dp) if r != self.replica]
         self._pp_peers = [self._global(q) for q in range(pp) if q != self.position]
         self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, self.watch,
-                                  self._dp_peers, bucket_mb, overlap_grad_sync)
+                                  self._dp_peers, bucket_mb,
+                                  self.device.type == "cuda" if overlap_grad_sync is None else overlap_grad_sync)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c), num_stages,
                          self.microbatches, mode=wire, watcher=self.watch)
         self.clock = ActionClock(self.rank, self.device)

@@ -37,6 +37,7 @@ def test_pipe_sh_4_cpus_gpt_pp2_dp2_writes_tensorboard_views(tmp_path: Path) -> 
     s = launch(tmp_path, 4, "--model", "gpt", "--preset", "tiny", "--steps", "4", "--eval-interval", "2",
                "--timeline-interval", "2", "--trace-step", "1")
     assert "4 ranks = pp 2 x dp 2" in s["stdout"]
+    assert "partition profile: bounds [0, " in s["stdout"] and "stage 1: layers " in s["stdout"]   # the default
     assert (s["pp"], s["dp"]) == (2, 2)
     assert math.isfinite(s["final_loss"]) and s["final_loss"] < s["first_loss"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -136,6 +137,9 @@ def test_tied_embedding_stays_bit_identical_and_matches_single_process() -> None
     (["--checkpoint", "some"], 1, r"--checkpoint: checkpoint must be 'none', 'full' or 'every:K'"),
     (["--checkpoint", "every:0"], 1, r"every:K' with K >= 1 layers per region \(got 'every:0'\)"),
     (["--keep", "-1"], 1, r"--save-interval and --keep must be >= 0"),
+    (["--partition", "time"], 1, r"--partition must be profile, parameters, uniform or stage bounds like 0,3,6,10"),
+    (["--memory-cap", "0"], 1, r"--memory-cap must be a positive number of GiB \(got 0\)"),
+    (["--memory-cap", "2", "--partition", "uniform"], 1, r"--memory-cap is planned for by --partition profile"),
 ])
 def test_bad_configs_are_explained(flags: list[str], world: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
