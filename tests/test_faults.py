@@ -86,7 +86,7 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["--global-batch", "-8"], "error: --global-batch must be a positive number of examples (got -8)"),
     (["--steps", "10", "--trace-step", "12"], "error: --trace-step 12 is not one of the run's steps 0..9"),
     (["--partition", "0,3"], "error: boundaries [0, 3] must be 2 strictly increasing indices from 0 to 8"),
-    (["--partition", "half"], "error: --partition must be parameters, uniform or stage bounds like 0,3,6,10"),
+    (["--partition", "half"], "error: --partition must be profile, parameters, uniform or stage bounds like 0,3,6,10"),
     (["--model", "mlp", "--eval-interval", "-1"], "error: --eval-interval must be >= 0 (got -1)"),
     (["--data", "{tmp}/empty.txt"], "error: --data '{tmp}/empty.txt' is empty; give a text file"),
     (["--data", "{tmp}/blob.bin"], "error: --data: '{tmp}/blob.bin' is binary (it holds NUL bytes), not text"),
