@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -288,7 +289,9 @@ class PipelineEngine:
         """Every layer's measured costs, on every rank. Rank r profiles a contiguous share of the layers
         (copies, or built from the factories) on its own device: it receives its share's input from rank
         r - 1, passes its share's output on at once (one forward, no grad), then times its share while
-        the later ranks do theirs. A failure on any rank is raised on every rank."""
+        the later ranks do theirs; on CPU with more processes x threads than cores it passes the
+        output on only after timing (the shares are timed one after the other). A failure on any
+        rank is raised on every rank."""
         if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
             raise ValueError("partition='profile' needs sample=(inputs, target): one microbatch, on every rank, "
                              "to time the layers on (or choose partition='parameters')")
@@ -304,6 +307,9 @@ class PipelineEngine:
                 dist.recv_object_list(got, src=self.rank - 1)
                 x = _to(got[0], self.device)
             passed = self.rank + 1 == owners   # the next share's input (or the error) went on
+            # more processes than cores: time the shares one after the other (passing the input on
+            # after timing), or a share timed while others run would look slower than it is
+            one_at_a_time = self.device.type != "cuda" and world * torch.get_num_threads() > (os.cpu_count() or 1)
             try:
                 if isinstance(x, str):
                     raise ValueError(x)
@@ -313,12 +319,15 @@ class PipelineEngine:
                     with torch.no_grad(), torch.autocast(self.device.type, enabled=precision != "fp32",
                                                          dtype=PRECISIONS[precision] or torch.float32):
                         out = LayerChain(layers, lo)(x)
-                    if not passed:
+                    if not passed and not one_at_a_time:
                         dist.send_object_list([_to(out, torch.device("cpu"))], dst=self.rank + 1)
                         passed = True
                     result, _ = profile_layers(layers, lo, n, x, loss_fn=self.loss_fn,
                                                target=_to(sample[1], self.device), device=self.device,
                                                precision=precision, split=self.schedule.split_backward)
+                    if not passed:
+                        dist.send_object_list([_to(out, torch.device("cpu"))], dst=self.rank + 1)
+                        passed = True
             except (ValueError, TypeError, RuntimeError) as exc:
                 result = f"profiling layers {lo}..{hi - 1} on rank {self.rank} failed: {exc}"
                 if not passed:
