@@ -164,12 +164,14 @@ def _sync(device: torch.device) -> None:
 
 def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
                    loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
-                   precision: str = "fp32", split: bool | None = None,
-                   repeats: int = 3) -> tuple[list[LayerCost], Any]:
+                   precision: str = "fp32", split: bool | None = None, repeats: int = 3,
+                   min_time: float = 0.1, max_repeats: int = 25) -> tuple[list[LayerCost], Any]:
     """Measure ``layers`` (model layers ``first``, ``first + 1``, ...) on one microbatch ``x``, the input of
     ``layers[0]``: each layer runs F, B and W as a one-layer chunk of the engine (the model's first layer
-    as a first stage, its last with ``loss_fn`` on ``target``). Median of ``repeats`` runs after one
-    warm-up. Returns the costs and the output of the last layer (the next share's input).
+    as a first stage, its last with ``loss_fn`` on ``target``). Median of at least ``repeats`` runs after
+    one warm-up, more for a fast layer (until ``min_time`` seconds were timed, at most ``max_repeats``
+    runs), so that a short slow spell of a shared machine does not decide. Returns the costs and the
+    output of the last layer (the next share's input).
 
     The layers are used as given: pass copies (profiling runs them in train mode, so BatchNorm
     statistics move, and leaves gradients behind).
@@ -192,7 +194,8 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
 
         times: list[tuple[float, ...]] = []
         out: Any = None
-        for rep in range(repeats + 1):
+        rep, timed = 0, 0.0
+        while rep <= repeats or (timed < min_time and rep <= max_repeats):
             row = []
             for mode in (False, True):
                 if split is not None and mode != split:
@@ -219,6 +222,8 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
                 fused_f, fused, _, split_f, b, w = row
                 times.append(((fused_f + split_f) / 2, b, w, fused) if split is None else
                              (split_f, b, w, b + w) if split else (fused_f, fused, 0.0, fused))
+                timed += sum(row)
+            rep += 1
         for p in layer.parameters():
             p.grad = None
         out_bytes = sum(t.numel() * t.element_size() for t in _flat(out)) if out is not None else 0
