@@ -9,9 +9,10 @@ Words: a *position* is a rank's index in its pipeline (0..pp-1); a *stage* is a 
 ``chunk * pp + position``; a *replica* is a rank's index among the DP copies of its position.
 
 [Note: the end of a step]
-The DP all-reduce of a rank's gradients starts right after the last backward (B or W) in its
-program, asynchronously, so it overlaps the cooldown of the other stages; it is awaited after
-the program ends. Tied copies are then summed over their tie group. One all-reduce over the
+The DP all-reduce of a rank's gradients is posted bucket by bucket, asynchronously: on CUDA from
+inside the backward that finalises each bucket (grad_sync.py), elsewhere right after the last
+backward (B or W) in the rank's program, so it overlaps the cooldown of the other stages; it is
+awaited after the program ends. Tied copies are then summed over their tie group. One all-reduce over the
 pipeline then carries the squared gradient norm (once per logical parameter), the loss and, per
 stage, whether its outputs or gradients went non-finite; the loss is averaged over the replicas.
 Every rank thus takes the same decision: step, skip (``on_nonfinite="skip"``: parameters,
