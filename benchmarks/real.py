@@ -66,13 +66,10 @@ def _opt(ps: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(ps, lr=1e-4)
 
 
-BUCKET_MB: dict[str, float] = {}   # --bucket-mb: the engines' DP bucket size (default: the engine's)
-
-
 def ours(mod: Any, mcfg: Any, topo: Topology, m: int, data: list[Any], schedule: str, partition: str,
-         overlap: bool = True) -> tuple[Callable[[], Any], PipelineEngine]:
+         overlap: bool = True, bucket_mb: float = 25.0) -> tuple[Callable[[], Any], PipelineEngine]:
     engine = PipelineEngine(mod.layer_factories(mcfg), mod.loss_fn, _opt, topology=topo, schedule=schedule,
-                            microbatches=m, partition=partition, sample=data[0], **BUCKET_MB,
+                            microbatches=m, partition=partition, sample=data[0], bucket_mb=bucket_mb,
                             tied=mod.tied_parameters(len(mod.layer_factories(mcfg))), overlap_grad_sync=overlap)
 
     def step() -> Any:
@@ -149,7 +146,7 @@ def halves(mod: Any, mcfg: Any, bounds: list[int], data: list[Any]) -> Callable[
 
 
 def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
-               only: list[str] | None = None) -> dict[str, Any] | None:
+               only: list[str] | None = None, bucket_mb: float = 25.0) -> dict[str, Any] | None:
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology.from_world(world, pp=pp)
     mod = importlib.import_module(f"pipeengine.models.{model}")
@@ -160,17 +157,18 @@ def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
     t0 = time.perf_counter()
     for schedule in ("1f1b", "zb-h1"):
         name = f"ours profile {schedule}"
-        variants[name], engines[name] = ours(mod, mcfg, topo, m, data, schedule, "profile")
+        variants[name], engines[name] = ours(mod, mcfg, topo, m, data, schedule, "profile", bucket_mb=bucket_mb)
     profile_s = time.perf_counter() - t0
     for partition in ("parameters", "uniform"):
         name = f"ours {partition} 1f1b"
-        variants[name], engines[name] = ours(mod, mcfg, topo, m, data, "1f1b", partition)
+        variants[name], engines[name] = ours(mod, mcfg, topo, m, data, "1f1b", partition, bucket_mb=bucket_mb)
     if topo.dp == 1:
         variants["torch 1F1B (uniform)"] = theirs(mod, mcfg, pp, m, data, "1f1b")
         variants["torch ZB (uniform)"] = theirs(mod, mcfg, pp, m, data, "zb")
     else:
         name = "ours uniform 1f1b, all-reduce after backward"   # the twin of "ours uniform 1f1b"
-        variants[name], engines[name] = ours(mod, mcfg, topo, m, data, "1f1b", "uniform", overlap=False)
+        variants[name], engines[name] = ours(mod, mcfg, topo, m, data, "1f1b", "uniform", overlap=False,
+                                             bucket_mb=bucket_mb)
     if topo.dp == 1 and pp == 2:
         variants["single process (accumulation)"] = single(mod, mcfg, m, data)
         variants["halves at once"] = halves(mod, mcfg, engines["ours profile 1f1b"].bounds, data)
@@ -310,19 +308,17 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one more warms up)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "real.jsonl"))
-    p.add_argument("--bucket-mb", type=float, help="DP all-reduce bucket size of our engines (MiB)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DP all-reduce bucket size of our engines (MiB)")
     p.add_argument("--only", nargs="*", help="time only the variants whose names contain one of these")
     a = p.parse_args()
     if a.all or a.table:
         run_all(a.out, table_only=a.table)
         return
-    if a.bucket_mb:
-        BUCKET_MB["bucket_mb"] = a.bucket_mb
     torch.set_num_threads(1)
     keep_freed_memory()   # as the trainer does on CPU; both engines share the process, so both gain
     dist.init_process_group("gloo")
     row = run_config(a.model, a.preset, a.pp or dist.get_world_size(), a.microbatches, a.micro_batch_size, a.rounds,
-                     a.only)
+                     a.only, a.bucket_mb)
     if row is not None:
         line = json.dumps(row)
         print(line, flush=True)

@@ -187,8 +187,7 @@ class PipelineEngine:
         del sizing
         if self.partition_choice is not None and isinstance(schedule, str) and costs is None:
             # the schedule's communication order (and zb-h1's variant) from the measured costs
-            f, b, w = (sum(c[k] for c in self.partition_choice.stage_costs) / num_stages for k in range(3))
-            self.schedule = compile_schedule(schedule, pp, microbatches, chunks, Costs(f, b, w))
+            self.schedule = compile_schedule(schedule, pp, microbatches, chunks, self.partition_choice.mean_costs())
         self.num_layers = len(specs)
         stage_of_layer = {i: s for s in range(num_stages) for i in range(self.bounds[s], self.bounds[s + 1])}
         my_stages = [self.schedule.stage(self.position, c) for c in range(self.schedule.chunks)]
@@ -355,15 +354,20 @@ class PipelineEngine:
 
     def _final_gradients(self) -> dict[int, list[nn.Parameter]]:
         """Program index -> parameters whose last gradient of the step that action accumulates (the
-        chunk's last B, or its last W when backward is split; the later chunk for a shared parameter)."""
+        chunk's last B, or its last W when backward is split; the later chunk for a shared parameter).
+        Empty when the DP all-reduce is not overlapped: then nothing is armed."""
+        if not self.grad_sync.overlap or self.topology.dp == 1:
+            return {}
         grad_kind = Kind.W if self.schedule.split_backward else Kind.B
         last = {st[0].chunk: i for i, st in enumerate(self.program) if st[0].kind is grad_kind}
+        final: dict[int, tuple[int, nn.Parameter]] = {}   # id(param) -> (program index, param)
+        for c, ch in enumerate(self.chunks):
+            for p in ch.module.parameters():
+                if c in last and last[c] > final.get(id(p), (-1, p))[0]:
+                    final[id(p)] = (last[c], p)
         at: dict[int, list[nn.Parameter]] = {}
-        for p in self.parameters:
-            owners = [c for c, ch in enumerate(self.chunks) if any(p is q for q in ch.module.parameters())]
-            index = max((last[c] for c in owners if c in last), default=None)
-            if index is not None:
-                at.setdefault(index, []).append(p)
+        for index, p in final.values():
+            at.setdefault(index, []).append(p)
         return at
 
     def _global(self, position: int) -> int:

@@ -12,9 +12,10 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .actions import Schedule
+    from .simulate import Costs
 
 __all__ = ["PartitionError", "balance_min_max", "partition", "split", "describe", "LayerCost",
-           "profile_layers", "choose_bounds", "Choice"]
+           "profile_layers", "choose_bounds", "rank_costs", "Choice"]
 
 METHODS = ("profile", "parameters", "uniform", "cost")
 
@@ -192,38 +193,43 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
                 saved[storage.data_ptr()] = storage.nbytes()
             return t.detach()   # not ``t``: the chunk frees its output's storage in place after F
 
-        times: list[tuple[float, ...]] = []
-        out: Any = None
+        last: list[Any] = [None]   # the output of the latest run
+
+        def run(split_backward: bool) -> tuple[float, float, float]:
+            """One microbatch: seconds of F, of B (the fused backward if not split) and of W."""
+            saved.clear()   # the bytes of the last forward are kept
+            chunk.reset()
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = chunk.forward(0, _detach(x), target if stage == 2 else None, True)
+            last[0] = out
+            _sync(device)
+            t1 = time.perf_counter()
+            grads = None if stage == 2 else tuple(torch.ones_like(t) for t in _flat(out) if t.is_floating_point())
+            chunk.backward(0, grads, split=split_backward)
+            _sync(device)
+            t2 = time.perf_counter()
+            if split_backward:
+                chunk.backward_weight(0)
+                _sync(device)
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+        times: list[tuple[float, float, float, float]] = []   # (f, b, w, fused)
         rep, timed = 0, 0.0
         while rep <= repeats or (timed < min_time and rep <= max_repeats):
-            row = []
-            for mode in (False, True):
-                if split is not None and mode != split:
-                    row += [0.0, 0.0, 0.0]
-                    continue
-                saved.clear()   # the bytes of the last forward are kept
-                chunk.reset()
-                _sync(device)
-                t0 = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = chunk.forward(0, _detach(x), target if stage == 2 else None, True)
-                _sync(device)
-                t1 = time.perf_counter()
-                grads = (None if stage == 2 else
-                         tuple(torch.ones_like(t) for t in _flat(out) if t.is_floating_point()))
-                chunk.backward(0, grads, split=mode)
-                _sync(device)
-                t2 = time.perf_counter()
-                if mode:
-                    chunk.backward_weight(0)
-                    _sync(device)
-                row += [t1 - t0, t2 - t1, time.perf_counter() - t2]
-            if rep:   # (f, b, w, fused)
-                fused_f, fused, _, split_f, b, w = row
-                times.append(((fused_f + split_f) / 2, b, w, fused) if split is None else
-                             (split_f, b, w, b + w) if split else (fused_f, fused, 0.0, fused))
-                timed += sum(row)
+            fused_run = run(False) if split is not True else None
+            split_run = run(True) if split is not False else None
+            if rep:   # the first run warms up
+                if fused_run and split_run:
+                    times.append(((fused_run[0] + split_run[0]) / 2, *split_run[1:], fused_run[1]))
+                elif split_run:
+                    times.append((*split_run, split_run[1] + split_run[2]))
+                elif fused_run:
+                    times.append((fused_run[0], fused_run[1], 0.0, fused_run[1]))
+                timed += sum(sum(r) for r in (fused_run, split_run) if r)
             rep += 1
+        out = last[0]
         for p in layer.parameters():
             p.grad = None
         out_bytes = sum(t.numel() * t.element_size() for t in _flat(out)) if out is not None else 0
@@ -246,6 +252,12 @@ class Choice:
     candidates: int
     split: bool = False   # the schedule splits backward into B and W
 
+    def mean_costs(self) -> "Costs":
+        """One stage's average F, B and W: what the schedule is lowered with."""
+        from .simulate import Costs
+        n = len(self.stage_costs)
+        return Costs(*(sum(c[k] for c in self.stage_costs) / n for k in range(3)))
+
     def describe(self, schedule_name: str) -> str:
         lines = [f"partition profile: bounds {self.bounds} (best of {self.candidates} simulated splits), "
                  f"predicted compute per step {1e3 * self.makespan:.1f} ms with {schedule_name}"]
@@ -255,6 +267,16 @@ class Choice:
                          f"F {1e3 * f:.2f} ms  {back}")
         lines.append("  peak memory estimate per rank: " + ", ".join(f"{m / 2**30:.2f} GiB" for m in self.memory))
         return "\n".join(lines)
+
+
+def rank_costs(stage_costs: Sequence[tuple[float, float, float]], schedule: "Schedule") -> list["Costs"]:
+    """Per rank, the simulator's costs of one of its chunks: the mean of its stages' (f, b, w)."""
+    from .simulate import Costs
+    out = []
+    for r in range(schedule.pp):
+        mine = [c for s, c in enumerate(stage_costs) if schedule.placement(s)[0] == r]
+        out.append(Costs(*(sum(x[k] for x in mine) / len(mine) for k in range(3))))
+    return out
 
 
 def choose_bounds(costs: Sequence[LayerCost], schedule: "Schedule", memory_cap: float | None = None,
@@ -314,9 +336,10 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: "Schedule", memory_cap: 
     if memory_cap is not None:
         candidates = [b for b in candidates if max(memory(b)) <= memory_cap]
         if not candidates:   # the cap may need an unbalanced split
-            candidates = [b for b in enumerate_splits(float("inf"), 100_000) if max(memory(b)) <= memory_cap]
+            every = enumerate_splits(float("inf"), 100_000)
+            candidates = [b for b in every if max(memory(b)) <= memory_cap]
         if not candidates:
-            least = min(enumerate_splits(float("inf"), 100_000), key=lambda b: max(memory(b)))
+            least = min(every, key=lambda b: max(memory(b)))
             raise PartitionError(f"no split of the {n} layers into {stages} stages fits the memory cap of "
                                  f"{memory_cap / 2**30:.2f} GiB per rank; the least is "
                                  f"{max(memory(least)) / 2**30:.2f} GiB (bounds {least}). Raise the cap, use "
@@ -324,12 +347,11 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: "Schedule", memory_cap: 
     candidates = sorted(candidates, key=lambda b: (widest(b), b))[:max_candidates]
     scored = []
     for bounds in candidates:
-        per_stage = [tuple(sum(c.phases(split)[k] for c in costs[bounds[s]:bounds[s + 1]]) for k in range(3))
-                     for s in range(stages)]
-        rank_costs = []
-        for r in range(pp):
-            mine = [per_stage[s] for s in range(stages) if placement[s][0] == r]
-            rank_costs.append(Costs(*(sum(x[k] for x in mine) / len(mine) for k in range(3))))
-        scored.append((simulate(schedule, rank_costs).makespan, widest(bounds), bounds, per_stage))
+        per_stage = []
+        for s in range(stages):
+            phases = [c.phases(split) for c in costs[bounds[s]:bounds[s + 1]]]
+            per_stage.append((sum(x[0] for x in phases), sum(x[1] for x in phases), sum(x[2] for x in phases)))
+        scored.append((simulate(schedule, rank_costs(per_stage, schedule)).makespan, widest(bounds), bounds,
+                       per_stage))
     makespan, _, bounds, per_stage = min(scored, key=lambda x: (x[0], x[1], x[2]))
-    return Choice(list(bounds), [(f, b, w) for f, b, w in per_stage], makespan, memory(bounds), len(scored), split)
+    return Choice(list(bounds), per_stage, makespan, memory(bounds), len(scored), split)

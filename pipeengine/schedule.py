@@ -301,7 +301,7 @@ def _profile_main(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .partition import PartitionError, choose_bounds, profile_layers
+    from .partition import PartitionError, choose_bounds, profile_layers, rank_costs
     from .stage import LayerError
 
     mod = importlib.import_module(f"pipeengine.models.{args.profile}")
@@ -342,11 +342,8 @@ def _profile_main(args: argparse.Namespace) -> int:
         except (ValueError, PartitionError) as exc:
             print(f"{label:<28} {str(exc).splitlines()[0]}")
             continue
-        f, b, w = (sum(c[k] for c in choice.stage_costs) / len(choice.stage_costs) for k in range(3))
-        sched = compile_schedule(name, args.pp, args.microbatches, chunks, Costs(f, b, w))
-        result = simulate(sched, [Costs(*(sum(x[k] for s, x in enumerate(choice.stage_costs)
-                                              if sched.placement(s)[0] == r) / chunks for k in range(3)))
-                                  for r in range(args.pp)])
+        sched = compile_schedule(name, args.pp, args.microbatches, chunks, choice.mean_costs())
+        result = simulate(sched, rank_costs(choice.stage_costs, sched))
         print(f"{label:<28} {str(choice.bounds):<28} {1e3 * result.makespan:8.1f} {result.mean_bubble:7.3f} "
               f"{' '.join(map(str, result.peak_in_flight)):>15} "
               f"{' '.join(f'{m / 2**30:.2f}' for m in choice.memory):>20}")
