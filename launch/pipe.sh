@@ -16,7 +16,7 @@
 #   LOG_RANK=0        which local rank's output to show (torchrun --local-ranks-filter); "all" for every rank
 #   PYTHON=python     interpreter to use
 #   MAX_RESTARTS=0    restart the whole group this many times when a worker dies (same as --max-restarts N;
-#                     with the trainer's --save-interval and --resume the run continues from its last checkpoint)
+#                     with the trainer's --save-interval, a restarted group resumes from its newest checkpoint)
 #   RDZV_TIMEOUT=120  multi-node: seconds a node waits for the others at start-up before it gives up
 # Exit status: the trainer's (0 done, 2 bad input, 3 a failure it explained, 130/143 stopped by Ctrl-C/SIGTERM);
 # torchrun's own failure summary is shown only for crashes the trainer did not explain.

@@ -10,13 +10,16 @@ chunks, partition bounds, precision, versions, step). Keys never name a rank or 
 
     layers.<global layer index>.<name>           parameters and buffers (``layers.7.qkv.weight``)
     optim.layers.<i>.<name>.<state>              optimizer state of that parameter (``...exp_avg``)
-    train.step, train.loss_scale                 where training stands (data and LR follow the step)
+    train.step, train.loss_scale, .good_steps    where training stands (data and LR follow the step)
     rng.rank<r>.cpu / .cuda                      every rank's RNG state (restored when the world matches)
 
 so a checkpoint loads under any pp, dp, chunks or partition. Replicas (DP, tied copies) offer the
 same keys and DCP writes each key once. A checkpoint is written as ``.tmp-step-…/`` and renamed
 by rank 0 only after every rank finished and the manifest is in it: a folder named ``step-…`` is
-complete; a ``.tmp-`` one is a crashed save, ignored (and reported) when looking for the latest.
+complete; a ``.tmp-`` one is a crashed save, ignored (and reported) when looking for the latest, and
+removed by the next save. Saving a step that exists moves the old folder aside (``.old-step-…``)
+only for the rename. ``AsyncSaver`` writes the same layout from a background thread (DCP's
+``async_save``); its checkpoint is published at the next save or ``finish()``.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 if TYPE_CHECKING:
     from .engine import PipelineEngine
 
-__all__ = ["CheckpointError", "save", "load", "latest", "resolve", "export", "main"]
+__all__ = ["CheckpointError", "save", "AsyncSaver", "load", "latest", "resolve", "export", "main"]
 
 MANIFEST = "manifest.json"
-PREFIX, TMP = "step-", ".tmp-step-"
+PREFIX, TMP, OLD = "step-", ".tmp-step-", ".old-step-"
 
 
 class CheckpointError(ValueError):
@@ -76,7 +79,8 @@ def _state(engine: PipelineEngine, step: int) -> dict[str, Any]:
         for name, value in engine.optimizer.state.get(p, {}).items():
             sd[f"optim.{keys[id(p)]}.{name}"] = value
     sd["train.step"] = torch.tensor(step)
-    sd["train.loss_scale"] = torch.tensor(engine.loss_scale, dtype=torch.float64)
+    sd["train.loss_scale"] = torch.tensor(engine.loss_scale.value, dtype=torch.float64)
+    sd["train.good_steps"] = torch.tensor(engine.loss_scale.good_steps)
     sd[f"rng.rank{engine.rank}.cpu"] = torch.get_rng_state()
     if engine.device.type == "cuda":
         sd[f"rng.rank{engine.rank}.cuda"] = torch.cuda.get_rng_state(engine.device)
@@ -97,6 +101,51 @@ def _manifest(engine: PipelineEngine, step: int, extra: dict[str, Any] | None) -
             "saved": time.strftime("%Y-%m-%d %H:%M:%S"), **(extra or {})}
 
 
+def _begin(engine: PipelineEngine, directory: str, step: int) -> tuple[str, str]:
+    """Make the save's temporary folder (rank 0; an error is raised on every rank); (temporary, final)."""
+    final = os.path.join(directory, f"{PREFIX}{step:08d}")
+    tmp = os.path.join(directory, f"{TMP}{step:08d}")
+    error = None
+    if engine.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for name in os.listdir(directory):   # a crashed save's leftovers (no save is in flight now)
+                if name.startswith((TMP, OLD)):
+                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = f"cannot write checkpoints to {directory!r}: {exc.strerror or exc}; pass a writable --save-dir"
+    _agree(error)
+    return tmp, final
+
+
+def _failed(tmp: str, exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (f"saving {tmp!r} failed ({type(exc).__name__}: {text[0][:300] if text else ''}); the previous "
+            f"checkpoints are intact (disk full or not writable?)")
+
+
+def _publish(engine: PipelineEngine, tmp: str, final: str, info: dict[str, Any], keep: int | None) -> None:
+    """After every rank wrote its shard: the manifest, then one rename makes the checkpoint visible."""
+    dist.barrier()
+    error = None
+    if engine.rank == 0:
+        try:
+            with open(os.path.join(tmp, MANIFEST), "w") as fh:
+                json.dump(info, fh, indent=1)
+            old = os.path.join(os.path.dirname(final), OLD + os.path.basename(final)[len(PREFIX):])
+            if os.path.exists(final):   # the same step saved again: the old one stays loadable until replaced
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            if keep is not None:
+                for gone in complete_checkpoints(os.path.dirname(final))[:-keep] if keep > 0 else []:
+                    shutil.rmtree(gone, ignore_errors=True)
+        except OSError as exc:
+            error = _failed(tmp, exc)
+    _agree(error)
+
+
 def save(engine: PipelineEngine, directory: str, step: int, *, keep: int | None = None,
          extra: dict[str, Any] | None = None) -> str:
     """Save this step's state (collective: every rank calls it); return the checkpoint's folder.
@@ -105,30 +154,54 @@ def save(engine: PipelineEngine, directory: str, step: int, *, keep: int | None 
     manifest fields (the trainer adds its model and config).
     """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-    final = os.path.join(directory, f"{PREFIX}{step:08d}")
-    tmp = os.path.join(directory, f"{TMP}{step:08d}")
-    error = None
-    if engine.rank == 0:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as exc:
-            error = f"cannot write checkpoints to {directory!r}: {exc.strerror or exc}; pass a writable --save-dir"
-    _agree(error)
-    dcp_save(_state(engine, step), checkpoint_id=tmp)
-    dist.barrier()
-    if engine.rank == 0:
-        with open(os.path.join(tmp, MANIFEST), "w") as fh:
-            json.dump(_manifest(engine, step, extra), fh, indent=1)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if keep is not None:
-            for old in complete_checkpoints(directory)[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    tmp, final = _begin(engine, directory, step)
+    try:
+        dcp_save(_state(engine, step), checkpoint_id=tmp)
+    except (Exception, CheckpointException) as exc:   # DCP raises every rank's write errors on all ranks
+        raise CheckpointError(_failed(tmp, exc)) from None
+    _publish(engine, tmp, final, _manifest(engine, step, extra), keep)
     return final
+
+
+class AsyncSaver:
+    """Saves that write in the background (DCP's ``async_save``) while training goes on.
+
+    ``save`` copies this rank's state to host memory (the training step waits only for that copy)
+    and returns; a thread writes the shards over a Gloo group of its own, so its collectives never
+    interleave with the engine's. The checkpoint becomes visible (manifest, rename) at the next
+    ``save`` or at ``finish()``, which every rank calls at the same point: until then it is a
+    ``.tmp-`` folder, ignored by ``latest``. Create it on every rank at the same point (it makes a group).
+    """
+
+    def __init__(self) -> None:
+        group = dist.new_group(backend="gloo")
+        assert isinstance(group, dist.ProcessGroup)   # every rank is a member
+        self.group = group
+        self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None] | None = None
+
+    def save(self, engine: PipelineEngine, directory: str, step: int, *, keep: int | None = None,
+             extra: dict[str, Any] | None = None) -> str:
+        from torch.distributed.checkpoint.state_dict_saver import async_save
+        self.finish()
+        tmp, final = _begin(engine, directory, step)
+        future = async_save(_state(engine, step), checkpoint_id=tmp, process_group=self.group)
+        self._pending = (future, engine, tmp, final, _manifest(engine, step, extra), keep)
+        return final
+
+    def finish(self) -> str | None:
+        """Wait for the save in flight (if any) and make it visible; its folder."""
+        if self._pending is None:
+            return None
+        future, engine, tmp, final, info, keep = self._pending
+        self._pending = None
+        error = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as exc:
+            error = _failed(tmp, exc)
+        _agree(error)
+        _publish(engine, tmp, final, info, keep)
+        return final
 
 
 def _agree(error: str | None) -> None:
@@ -184,8 +257,13 @@ def _metadata(path: str) -> Any:
 
 
 def manifest(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, MANIFEST)) as fh:
-        result: dict[str, Any] = json.load(fh)
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            result = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: cannot read its {MANIFEST} ({exc})") from None
+    if not isinstance(result, dict):
+        raise CheckpointError(f"checkpoint {path!r} is damaged: its {MANIFEST} is not a JSON object")
     return result
 
 
@@ -237,6 +315,8 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
                                    device="cpu" if name == "step" else p.device) if hasattr(meta, "size") else None)
     sd["train.step"] = torch.tensor(0)
     sd["train.loss_scale"] = torch.tensor(1.0, dtype=torch.float64)
+    if "train.good_steps" in md.state_dict_metadata:
+        sd["train.good_steps"] = torch.tensor(0)
     same_world = info.get("world_size") == engine.topology.world_size
     rng_keys = [k for k in md.state_dict_metadata if k.startswith(f"rng.rank{engine.rank}.")] if same_world else []
     for k in rng_keys:
@@ -250,7 +330,9 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
     for p in engine.parameters:
         if optim[id(p)]:
             engine.optimizer.state[p] = {name: sd[key] for name, key in optim[id(p)].items()}
-    engine.loss_scale = float(sd["train.loss_scale"])
+    if engine.loss_scale.enabled and info.get("precision") == "fp16":   # else the scale starts afresh
+        engine.loss_scale.value = float(sd["train.loss_scale"])
+        engine.loss_scale.good_steps = int(sd.get("train.good_steps", 0))
     for k in rng_keys:
         if k.endswith(".cpu"):
             torch.set_rng_state(sd[k])

@@ -20,7 +20,7 @@ from tests.harness import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ["--model", "gpt", "--preset", "tiny", "--optimizer", "adamw", "--warmup", "2", "--eval-interval", "0",
-       "--log-interval", "100", "--timeline-interval", "0", "-m", "2", "--global-batch", "8"]
+       "--log-interval", "100", "--timeline-interval", "0", "-m", "2", "--global-batch", "8", "--wire", "strict"]
 
 
 def trainer(tmp: str, name: str, *flags: str) -> TrainConfig:
@@ -41,8 +41,10 @@ def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path
     s0, d, p, q, iv = (str(tmp_path / n) for n in ("straight", "split", "pp4", "pp1", "interleaved"))
     runs = [
         ["--pp", "2", "--steps", "6", "--save-interval", "6", "--save-dir", s0],      # 0: uninterrupted, pp2 x dp2
-        ["--pp", "2", "--steps", "3", "--save-interval", "3", "--save-dir", d],        # 1: 3 steps, saved
-        ["--pp", "2", "--steps", "6", "--save-interval", "3", "--resume", "--save-dir", d],   # 2: resume + 3 steps
+        ["--pp", "2", "--steps", "3", "--save-interval", "3", "--save-dir", d,         # 1: 3 steps, saved in the
+         "--async-save"],                                                              # background
+        ["--pp", "2", "--steps", "6", "--save-interval", "3", "--resume", "--save-dir", d,   # 2: resume + 3 steps
+         "--async-save"],
         ["--pp", "4", "--steps", "4", "--save-interval", "3", "--save-dir", p],        # 3: pp4 saves at 3
         ["--pp", "2", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 4: ... loaded at pp2 x dp2
         ["--pp", "1", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 5: ... at pp1 x dp4
@@ -152,6 +154,11 @@ def test_bad_checkpoints_give_one_line_errors_and_overwrite_nothing(tmp_path: Pa
         in p.stderr, p.stderr
     insp = cli("pipeengine.checkpoint", "inspect", other)
     assert insp.returncode == 0 and '"preset": "small"' in insp.stdout and "tensors (" in insp.stdout
+    manifest = Path(resolve(other)) / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])   # truncated
+    insp = cli("pipeengine.checkpoint", "inspect", other)
+    assert insp.returncode == 2 and "cannot read its manifest.json" in insp.stderr \
+        and len(insp.stderr.strip().splitlines()) == 1, insp.stderr
 
 
 def test_cli_usage() -> None:
@@ -166,15 +173,15 @@ def test_cli_usage() -> None:
 @pytest.mark.timeout(300)
 def test_a_killed_worker_is_restarted_and_the_run_finishes_with_the_uninterrupted_loss(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="all")
-    flags = ["--model", "mlp", "--steps", "14", "--save-interval", "2", "--resume", "--log-interval", "100",
-             "--eval-interval", "0", "--timeline-interval", "0"]
+    flags = ["--model", "mlp", "--steps", "14", "--save-interval", "2", "--log-interval", "100",
+             "--eval-interval", "0", "--timeline-interval", "0"]   # no --resume: a restarted group resumes itself
 
-    def launch(name: str, kill: bool) -> tuple[str, float]:
+    def launch(name: str, kill: bool) -> tuple[str, float]:   # (output, seconds from the kill to "resumed")
         cmd = ["bash", str(ROOT / "launch" / "pipe.sh"), "2", "cpus", "--max-restarts", "1", *flags,
                "--save-dir", str(tmp_path / name), "--log-dir", str(tmp_path), "--run-name", name]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        out, killed_at = [], 0.0
+        out, killed_at, recovered = [], 0.0, 0.0
         assert proc.stdout is not None
         for line in proc.stdout:
             out.append(line)
@@ -182,14 +189,17 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes_with_the_uninterrupte
                 pid = _worker_pid(proc.pid, rank=1)
                 os.kill(pid, signal.SIGKILL)
                 killed_at = time.monotonic()
+            if killed_at and not recovered and "resumed from" in line:
+                recovered = time.monotonic() - killed_at
         proc.wait(timeout=200)
         text = "".join(out)
         assert proc.returncode == 0, text[-4000:]
-        return text, killed_at
+        return text, recovered
 
     straight, _ = launch("straight", kill=False)
-    text, killed_at = launch("killed", kill=True)
-    assert killed_at and "resumed from" in text, text[-3000:]
+    text, recovery = launch("killed", kill=True)
+    assert recovery and "restart 1: resuming from the newest checkpoint" in text, text[-3000:]
+    print(f"recovery: {recovery:.1f} s from the kill to the resumed state")
     final = [json_summary(tmp_path, n)["final_loss"] for n in ("straight", "killed")]
     assert final[0] == final[1], final
 
