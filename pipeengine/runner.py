@@ -19,11 +19,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .checkpoint import latest, load, save
+from .checkpoint import AsyncSaver, CheckpointError, latest, load, manifest, resolve, save
 from .engine import NonFiniteError, PipelineEngine, StepResult
 from .faults import EXPLAINED, STARTUP_TIMEOUT, PeerFailed, WaitTimeout, watch
 from .hostalloc import keep_freed_memory
-from .metrics import PARTS, MetricsWriter, chrome_trace, decompose, gather_records, pipeline_bubble, write_json
+from .metrics import PARTS, Phase, MetricsWriter, chrome_trace, decompose, gather_records, pipeline_bubble, write_json
 from .schedule import Costs, simulate, theoretical_bubble
 from .topology import Topology
 from .train import TrainConfig, to_toml
@@ -151,8 +151,11 @@ def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...
             kw["momentum"] = 0.9
         return opt_cls(ps, **kw)
 
+    resume_from, partition = _pick_checkpoint(cfg, topo, len(factories)), cfg.partition_arg()
+    if resume_from is not None and cfg.partition == "profile" and resume_from[1] is not None:
+        partition = resume_from[1]   # the checkpoint's measured bounds: the resumed run computes as the first did
     sample = None
-    if cfg.partition == "profile":   # time the layers on the run's first microbatch
+    if partition == "profile":   # time the layers on the run's first microbatch
         batches = importlib.import_module("pipeengine.models.data").batches
         sample = next(iter(batches(source, "train", 0, cfg.seed, 0, topo.dp, cfg.microbatches,
                                    cfg.micro_batch_size)))
@@ -161,9 +164,9 @@ def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...
                             tied=mod.tied_parameters(len(factories)), device=device, timeout=cfg.timeout,
                             grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
                             checkpoint=cfg.checkpoint, precision=cfg.precision, on_nonfinite=cfg.on_nonfinite,
-                            partition=cfg.partition_arg(), sample=sample,
+                            partition=partition, sample=sample, wire=cfg.wire,
                             memory_cap=cfg.memory_cap * 2**30 if cfg.memory_cap else None)
-    return topo, mcfg, source, engine
+    return topo, mcfg, source, engine, resume_from[0] if resume_from else None
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -185,8 +188,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     device, owned = _init(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        topo, mcfg, source, engine = _setup(cfg, device, world)
-        start = _resume(cfg, engine)
+        topo, mcfg, source, engine, resume_from = _setup(cfg, device, world)
+        start = _resume(cfg, engine, resume_from)
     except ValueError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
@@ -207,6 +210,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
               f"{global_batch}; logs in {run_dir}")
     is_tty = sys.stdout.isatty() and not cfg.quiet
     stop = _StopRequest(watch().store)
+    saver = AsyncSaver() if cfg.async_save and (cfg.save_interval or cfg.save_on_exit) else None
 
     def data_iter(split: str, step: int) -> Any:
         if not engine.needs_data:
@@ -259,7 +263,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 state["val_loss"] = evaluate(step)
                 writer.log_eval(step, state["val_loss"])
             if cfg.save_interval and ((step + 1) % cfg.save_interval == 0 or step + 1 == cfg.steps):
-                _save(cfg, engine, step + 1, is_tty)
+                _save(cfg, engine, step + 1, is_tty, saver)
             if rank == 0 and not cfg.quiet and (is_tty or (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps):
                 elapsed = time.perf_counter() - t_start
                 line = _progress(step + 1, cfg.steps, state["losses"][-1], state["val_loss"],
@@ -274,12 +278,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 print(f"{chr(10) if is_tty else ''}{name}: every rank stopped after step {done()}",
                       file=sys.stderr)
             if cfg.save_on_exit and not (cfg.save_interval and done() % cfg.save_interval == 0):
-                _save(cfg, engine, done(), False)
+                _save(cfg, engine, done(), False, saver)
             code = 128 + stop.signum
         else:
             state["val_loss"] = evaluate(cfg.steps)
             writer.log_eval(cfg.steps - 1, state["val_loss"])   # at the last training step
             state["status"] = "done"
+        if saver is not None and (published := saver.finish()) and rank == 0:
+            print(f"saved {published} (in the background)")
     except NonFiniteError as exc:   # every rank raises it alike
         state["status"] = f"stopped: {exc}"
         if rank == 0:
@@ -314,12 +320,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     return result
 
 
-def _save(cfg: TrainConfig, engine: PipelineEngine, step: int, newline: bool) -> None:
+def _save(cfg: TrainConfig, engine: PipelineEngine, step: int, newline: bool, saver: AsyncSaver | None) -> None:
     t_save = time.perf_counter()
-    saved = save(engine, cfg.save_dir, step, keep=cfg.keep or None,
-                 extra={"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)})
+    extra = {"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)}
+    if saver is None:
+        saved = save(engine, cfg.save_dir, step, keep=cfg.keep or None, extra=extra)
+    else:
+        published = saver.finish()   # the previous background save, made visible
+        if published and dist.get_rank() == 0:
+            print(f"{chr(10) if newline else ''}saved {published} (in the background)")
+        saved = saver.save(engine, cfg.save_dir, step, keep=cfg.keep or None, extra=extra)
     if dist.get_rank() == 0:
-        print(f"{chr(10) if newline else ''}saved {saved} in {time.perf_counter() - t_save:.2f} s")
+        how = "the step waited" if saver else "saved"
+        print(f"{chr(10) if newline else ''}{saved}: {how} {time.perf_counter() - t_save:.2f} s")
 
 
 def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer: MetricsWriter,
@@ -365,26 +378,66 @@ def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer
             chrome_trace(records, os.path.join(run_dir, f"trace_step{step}.json"), step)
 
 
-def _resume(cfg: TrainConfig, engine: PipelineEngine) -> int:
-    """Load the checkpoint ``--resume`` asks for (rank 0 decides which, every rank loads); the step to start at."""
-    if cfg.resume is None:
-        return 0
-    choice: list[Any] = [cfg.resume]
-    if cfg.resume == "latest" and dist.get_rank() == 0:
-        found, partial = latest(cfg.save_dir)
-        for p in partial:
-            print(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
-        choice = [found]
-        if found is None:
-            print(f"no checkpoint in {cfg.save_dir!r}: starting at step 0")
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+# settings that change what a resumed run computes (data, learning rate, model), compared on resume
+_TRAJECTORY = ("model", "preset", "data", "seed", "steps", "lr", "min_lr", "warmup", "optimizer", "weight_decay",
+               "grad_clip", "micro_batch_size", "microbatches", "precision")
+
+
+def _pick_checkpoint(cfg: TrainConfig, topo: Topology, num_layers: int) -> tuple[str, list[int] | None] | None:
+    """The checkpoint to resume from (rank 0 decides, every rank learns it) and its stage bounds when
+    they fit this run (same pp, chunks and layers), or None to start at step 0.
+
+    A group restarted by torchrun (``--max-restarts``) resumes from the newest checkpoint in
+    ``--save-dir`` by itself, ``--resume`` or not: otherwise it would start over and overwrite it.
+    """
+    ask = cfg.resume
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if ask is None and attempt > 0:
+        ask = "latest"
+    if ask is None:
+        return None
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            if attempt > 0:
+                print(f"restart {attempt}: resuming from the newest checkpoint in {cfg.save_dir!r}")
+            path: str | None = ask
+            if ask == "latest":
+                path, partial = latest(cfg.save_dir)
+                for p in partial:
+                    print(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
+                if path is None:
+                    print(f"no checkpoint in {cfg.save_dir!r}: starting at step 0")
+            if path is not None:
+                path = resolve(path)
+                info = manifest(path)
+                same = (info.get("pp") == topo.pp and info.get("chunks") == cfg.chunks
+                        and info.get("num_layers") == num_layers)
+                answer[0] = (path, info.get("bounds") if same else None)
+                saved = info.get("config") or {}
+                changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in _TRAJECTORY
+                           if k in saved and saved[k] != getattr(cfg, k)]
+                if changed:
+                    print(f"note: resuming with settings that differ from the checkpoint's ({'; '.join(changed)}): "
+                          f"the run continues, but not as the saved one would have")
+        except (CheckpointError, OSError, ValueError) as exc:
+            answer[0] = f"--resume: {exc}"
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], str):
+        raise ValueError(answer[0])
+    return answer[0]   # type: ignore[no-any-return]
+
+
+def _resume(cfg: TrainConfig, engine: PipelineEngine, path: str | None) -> int:
+    """Load the chosen checkpoint on every rank; the step to start at."""
+    if path is None:
         return 0
     t0 = time.perf_counter()
-    info = load(engine, choice[0])
+    info = load(engine, path)
     if dist.get_rank() == 0:
         print(f"resumed from {info['path']} at step {info['step']} in {time.perf_counter() - t0:.2f} s (written "
-              f"with pp={info.get('pp')} dp={info.get('dp')} {info.get('schedule')})")
+              f"with pp={info.get('pp')} dp={info.get('dp')} {info.get('schedule')}; stage bounds "
+              f"{engine.bounds})")
     if info["step"] >= cfg.steps:
         raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.steps}; "
                          f"ask for more steps to continue training")
@@ -401,10 +454,10 @@ def _theoretical(engine: PipelineEngine, records: dict[int, list[Any]]) -> float
     for position in range(engine.topology.pp):
         rs = records.get(engine.topology.rank(position, 0), [])
         mean = {}
-        for kind in ("F", "B", "W"):
+        for kind in (Phase.F, Phase.B, Phase.W):
             ds = [r.end - r.start for r in rs if r.kind == kind]
             mean[kind] = sum(ds) / len(ds) if ds else 0.0
-        per_position.append(Costs(f=mean["F"], b=mean["B"], w=mean["W"] if split else 0.0))
+        per_position.append(Costs(f=mean[Phase.F], b=mean[Phase.B], w=mean[Phase.W] if split else 0.0))
     if all(c.f + c.b <= 0 for c in per_position):
         return 0.0
     return simulate(engine.schedule, per_position).mean_bubble

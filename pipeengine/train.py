@@ -67,11 +67,13 @@ class TrainConfig:
     memory_cap: float | None = None  #: GiB per rank the profile partition may plan for (None: no limit)
     checkpoint: str = "none"      #: activation checkpointing per chunk: none, full or every:K (layers per region)
     precision: str = "fp32"       #: fp32, bf16 (autocast, bf16 between stages) or fp16 (CUDA, loss scaling)
+    wire: str = "tags"            #: Gloo only: tags, or strict (NCCL's per-peer order emulated, to test schedules)
     save_interval: int = 0        #: save a checkpoint every N steps and after the last one (0: never)
     save_dir: str = "checkpoints"  #: where checkpoints go (one step-NNNNNNNN folder each)
     keep: int = 3                 #: keep the newest K complete checkpoints (0: all)
     resume: str | None = None     #: "latest" (the newest in save_dir, if any) or a checkpoint path
     save_on_exit: bool = False    #: on SIGINT/SIGTERM, save a checkpoint after the step in progress
+    async_save: bool = False      #: write checkpoints from a background thread while training goes on
 
     def check(self, world_size: int) -> Topology:
         from .stage import parse_checkpoint
@@ -83,6 +85,8 @@ class TrainConfig:
                              f"{', '.join(s for s in SCHEDULES if s != 'forward')}")
         if self.chunks == 0:
             self.chunks = 2 if self.schedule == "interleaved-1f1b" else 1
+        if self.wire not in ("tags", "strict"):
+            raise ValueError(f"--wire must be tags or strict (got {self.wire!r})")
         if self.precision not in PRECISION_NAMES:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISION_NAMES)}")
         try:
@@ -216,15 +220,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default=d.precision, choices=list(PRECISION_NAMES),
                    help="bf16: autocast, activations between stages in bf16, fp32 parameters, gradients and "
                         "optimizer state; fp16: the same with a dynamic loss scale, CUDA only")
+    p.add_argument("--wire", default=d.wire, choices=["tags", "strict"],
+                   help="Gloo: tags (a step's transfers matched by tag, left running) or strict (NCCL's semantics "
+                        "emulated: one tag per pair, each comm step completes before the next; run a schedule "
+                        "file here as NCCL would); NCCL always coalesces each step")
     p.add_argument("--save-interval", type=int, default=d.save_interval, metavar="N",
                    help="save a checkpoint every N steps and after the last step (0: never)")
     p.add_argument("--save-dir", default=d.save_dir, help="checkpoint directory")
     p.add_argument("--keep", type=int, default=d.keep, help="keep the newest K checkpoints (0: all)")
     p.add_argument("--resume", nargs="?", const="latest", default=d.resume, metavar="PATH",
                    help="resume from PATH (a checkpoint or a save directory) or, without PATH, from the newest "
-                        "complete checkpoint in --save-dir if there is one (else start at step 0)")
+                        "complete checkpoint in --save-dir if there is one (else start at step 0); a "
+                        "group restarted by torchrun (pipe.sh --max-restarts) does this by itself. With "
+                        "--partition profile the checkpoint's stage bounds are reused when pp and chunks match")
     p.add_argument("--save-on-exit", action="store_true", default=d.save_on_exit,
                    help="on Ctrl-C or SIGTERM, finish the step in progress on every rank and save a checkpoint")
+    p.add_argument("--async-save", action="store_true", default=d.async_save,
+                   help="write checkpoints in the background (torch.distributed.checkpoint.async_save): a save "
+                        "costs the step only a copy of the state to host memory; it becomes visible at the "
+                        "next save or at the end")
     return p
 
 
