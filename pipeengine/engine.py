@@ -22,9 +22,7 @@ that went non-finite (``"stop"``). Every wait is timed and watched (faults.py).
 
 from __future__ import annotations
 
-import copy
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -33,23 +31,18 @@ import torch.distributed as dist
 from torch import nn
 
 from .actions import Action, Kind, Schedule, Step
-from .faults import STARTUP_TIMEOUT, PeerFailed, WaitTimeout, adaptive_timeout, doing_text, watch
-from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, grad_sq_norm
-from .layers import LayerSpec, build_layer, fingerprint, model_mismatch, share_tied, sizing_layers
+from .faults import STARTUP_TIMEOUT, NonFiniteError, adaptive_timeout, watch
+from .grad_sync import GradSync, LossScale, broadcast_buffers, clip_grad_norm, final_gradients, grad_sq_norm
+from .layers import LayerSpec, build_layer, share_tied
 from .metrics import ActionClock, ActionRecord, Phase
 from .p2p import Wire
-from .partition import Choice, LayerCost, choose_bounds, profile_layers
-from .partition import partition as partition_layers
+from .partition import agree_bounds
 from .schedule import compile_schedule
 from .simulate import Costs, validate
-from .stage import PRECISIONS, LayerChain, LayerError, StageChunk
+from .stage import LayerChain, StageChunk, to_device
 from .topology import ProcessGroups, Topology, build_groups
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
-
-
-class NonFiniteError(FloatingPointError):
-    """The loss or the gradients went non-finite (``on_nonfinite="stop"``); raised on every rank alike."""
 
 
 @dataclass
@@ -76,14 +69,6 @@ class _StepState:
     inputs: list[Any]
     targets: list[Any]
     local: dict[tuple[Kind, int, int], Any] = field(default_factory=dict)  # pp = 1: chunk -> next chunk
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(t, device) for t in x)
-    return x
 
 
 def default_device() -> torch.device:
@@ -180,11 +165,10 @@ class PipelineEngine:
         num_stages = self.schedule.num_stages
 
         specs = list(layers)
-        sizing = sizing_layers(specs)
         self.loss_fn = loss_fn
-        self.partition_choice: Choice | None = None
-        self.bounds = self._agree(specs, sizing, seed, num_stages, partition, sample, memory_cap, precision)
-        del sizing
+        self.bounds, self.partition_choice = agree_bounds(
+            specs, self.schedule, partition, seed=seed, sample=sample, memory_cap=memory_cap, precision=precision,
+            loss_fn=loss_fn, device=self.device)
         if self.partition_choice is not None and isinstance(schedule, str) and costs is None:
             # the schedule's communication order (and zb-h1's variant) from the measured costs
             self.schedule = compile_schedule(schedule, pp, microbatches, chunks, self.partition_choice.mean_costs())
@@ -241,103 +225,15 @@ class PipelineEngine:
         self.eval_program: list[Step] = self.eval_schedule.programs[self.position]
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
         self._last_backward = backward[-1] if backward else -1
-        self._arm_at = self._final_gradients()
+        # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
+        self._arm_at = (final_gradients(self.program, [list(ch.module.parameters()) for ch in self.chunks],
+                                        self.schedule.split_backward)
+                        if self.grad_sync.overlap and self.topology.dp > 1 else {})
         self.needs_data = any(ch.is_first or ch.is_last for ch in self.chunks)
-        self.loss_scale = 2.0**16 if precision == "fp16" else 1.0
-        self._good_steps = 0
+        self.loss_scale = LossScale(precision == "fp16")
         self.step_count = 0
 
     # ------------------------------------------------------------------ setup helpers
-
-    def _agree(self, specs: list[LayerSpec], sizing: list[nn.Module], seed: int, num_stages: int,
-               partition: str | Sequence[int], sample: tuple[Any, Any] | None, memory_cap: float | None,
-               precision: str) -> list[int]:
-        """Check that every rank was given the same model (one all-gather of fingerprints), then take
-        rank 0's stage bounds (computed once, broadcast; an error in them is raised on every rank)."""
-        mine = (seed, [fingerprint(m) for m in sizing])
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        mismatch = model_mismatch(everyone)
-        if mismatch:
-            raise ValueError(mismatch)
-        profiled: list[LayerCost] = []
-        if partition == "profile" and num_stages > 1:
-            profiled = self._profile(specs, seed, sample, precision)
-        answer: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                if profiled:
-                    answer[0] = choose_bounds(profiled, self.schedule, memory_cap)
-                elif partition == "profile":
-                    answer[0] = [0, len(specs)]
-                elif isinstance(partition, str):
-                    answer[0] = partition_layers(sizing, num_stages, partition)
-                else:
-                    answer[0] = partition_layers(sizing, num_stages, boundaries=list(partition))
-            except ValueError as exc:
-                answer[0] = str(exc)
-        dist.broadcast_object_list(answer, src=0)
-        if isinstance(answer[0], str):
-            raise ValueError(answer[0])
-        if isinstance(answer[0], Choice):
-            self.partition_choice = answer[0]
-            return list(answer[0].bounds)
-        return list(answer[0])
-
-    def _profile(self, specs: list[LayerSpec], seed: int, sample: tuple[Any, Any] | None,
-                 precision: str) -> list[LayerCost]:
-        """Every layer's measured costs, on every rank. Rank r profiles a contiguous share of the layers
-        (copies, or built from the factories) on its own device: it receives its share's input from rank
-        r - 1, passes its share's output on at once (one forward, no grad), then times its share while
-        the later ranks do theirs; on CPU with more processes x threads than cores it passes the
-        output on only after timing (the shares are timed one after the other). A failure on any
-        rank is raised on every rank."""
-        if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
-            raise ValueError("partition='profile' needs sample=(inputs, target): one microbatch, on every rank, "
-                             "to time the layers on (or choose partition='parameters')")
-        n, world = len(specs), dist.get_world_size()
-        owners = min(n, world)
-        shares = partition_layers(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
-        result: Any = []
-        if self.rank < owners:
-            lo, hi = shares[self.rank], shares[self.rank + 1]
-            x: Any = _to(sample[0], self.device)
-            if self.rank > 0:
-                got: list[Any] = [None]
-                dist.recv_object_list(got, src=self.rank - 1)
-                x = _to(got[0], self.device)
-            passed = self.rank + 1 == owners   # the next share's input (or the error) went on
-            # more processes than cores: time the shares one after the other (passing the input on
-            # after timing), or a share timed while others run would look slower than it is
-            one_at_a_time = self.device.type != "cuda" and world * torch.get_num_threads() > (os.cpu_count() or 1)
-            try:
-                if isinstance(x, str):
-                    raise ValueError(x)
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                    layers = [build_layer(copy.deepcopy(specs[i]) if isinstance(specs[i], nn.Module) else specs[i],
-                                          i, seed).to(self.device) for i in range(lo, hi)]
-                    with torch.no_grad(), torch.autocast(self.device.type, enabled=precision != "fp32",
-                                                         dtype=PRECISIONS[precision] or torch.float32):
-                        out = LayerChain(layers, lo)(x)
-                    if not passed and not one_at_a_time:
-                        dist.send_object_list([_to(out, torch.device("cpu"))], dst=self.rank + 1)
-                        passed = True
-                    result, _ = profile_layers(layers, lo, n, x, loss_fn=self.loss_fn,
-                                               target=_to(sample[1], self.device), device=self.device,
-                                               precision=precision, split=self.schedule.split_backward)
-                    if not passed:
-                        dist.send_object_list([_to(out, torch.device("cpu"))], dst=self.rank + 1)
-                        passed = True
-            except (ValueError, TypeError, RuntimeError) as exc:
-                result = f"profiling layers {lo}..{hi - 1} on rank {self.rank} failed: {exc}"
-                if not passed:
-                    dist.send_object_list([result], dst=self.rank + 1)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, result)
-        failed = next((r for r in everyone if isinstance(r, str)), None)
-        if failed:
-            raise ValueError(failed)
-        return [c for r in everyone for c in r]
 
     def _broadcast_initial_state(self) -> None:
         """Make DP replicas and tied copies start bit-identical (replica 0 / the tie's first entry wins)."""
@@ -351,24 +247,6 @@ class PipelineEngine:
                 dist.broadcast(p.data, src=src, group=group)
         # every rank joins one world collective first (NCCL wants that before subset p2p batches)
         dist.barrier()
-
-    def _final_gradients(self) -> dict[int, list[nn.Parameter]]:
-        """Program index -> parameters whose last gradient of the step that action accumulates (the
-        chunk's last B, or its last W when backward is split; the later chunk for a shared parameter).
-        Empty when the DP all-reduce is not overlapped: then nothing is armed."""
-        if not self.grad_sync.overlap or self.topology.dp == 1:
-            return {}
-        grad_kind = Kind.W if self.schedule.split_backward else Kind.B
-        last = {st[0].chunk: i for i, st in enumerate(self.program) if st[0].kind is grad_kind}
-        final: dict[int, tuple[int, nn.Parameter]] = {}   # id(param) -> (program index, param)
-        for c, ch in enumerate(self.chunks):
-            for p in ch.module.parameters():
-                if c in last and last[c] > final.get(id(p), (-1, p))[0]:
-                    final[id(p)] = (last[c], p)
-        at: dict[int, list[nn.Parameter]] = {}
-        for index, p in final.values():
-            at.setdefault(index, []).append(p)
-        return at
 
     def _global(self, position: int) -> int:
         return self.topology.rank(position, self.replica)
@@ -390,7 +268,7 @@ class PipelineEngine:
         try:
             result = self._train_batch(data_iter)
         except BaseException as exc:
-            self._tell_the_others(exc)
+            self.watch.report(exc)
             raise
         if self._fixed_timeout is None and self.step_count > 1:   # the first step (start-up) does not count
             self._step_times = (self._step_times + [result.step_time])[-50:]
@@ -400,7 +278,7 @@ class PipelineEngine:
     def _train_batch(self, data_iter: Iterator[Any] | None) -> StepResult:
         for ch in self.chunks:
             ch.module.train()
-            ch.loss_scale = self.loss_scale
+            ch.loss_scale = self.loss_scale.value
         if not self.grad_sync.prepare():
             self.optimizer.zero_grad(set_to_none=True)
         buffers = [b.clone() for b in self._buffers] if self.on_nonfinite == "skip" else []
@@ -414,10 +292,10 @@ class PipelineEngine:
                 p.grad = torch.zeros_like(p)
             self._wait(dist.all_reduce(p.grad, group=group, async_op=True), "the tied-gradient sum",
                        dist.get_process_group_ranks(group))
-        if self.loss_scale != 1.0:
+        if self.loss_scale.enabled:
             for p in self.parameters:
                 if p.grad is not None:
-                    p.grad.div_(self.loss_scale)
+                    p.grad.div_(self.loss_scale.value)
         # one all-reduce over the pipeline: squared norm, loss, per stage (non-finite outputs, gradients)
         last = self.chunks[-1]
         stages = self.schedule.num_stages
@@ -435,7 +313,7 @@ class PipelineEngine:
         values = vec.tolist()
         result.grad_norm = math.sqrt(values[0])
         result.loss = self._mean_over_replicas(values[1])
-        overflow = self.loss_scale != 1.0 and not math.isfinite(result.grad_norm)   # fp16: expected now and then
+        overflow = self.loss_scale.enabled and not math.isfinite(result.grad_norm)   # fp16: expected now and then
         result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
         if result.nonfinite and self.on_nonfinite == "stop":
             raise NonFiniteError(self._nonfinite_message(result, values[2:]))
@@ -448,7 +326,7 @@ class PipelineEngine:
         else:
             clip_grad_norm(self.parameters, self.grad_clip, result.grad_norm)
             self.optimizer.step()
-        self._update_loss_scale(overflow)
+        self.loss_scale.update(overflow)
         if self.topology.dp > 1 and self._buffers:
             broadcast_buffers(self._buffers, self.topology.rank(self.position, 0), self.groups.dp_group,
                               lambda w: self._wait(w, "the buffer broadcast", self._dp_peers))
@@ -478,19 +356,6 @@ class PipelineEngine:
                 f"(replica {self.replica}'s view). Skip such steps with on_nonfinite='skip' (--on-nonfinite skip), "
                 f"or lower the learning rate")
 
-    def _tell_the_others(self, exc: BaseException) -> None:
-        """Publish this rank's failure to every rank (faults.py) unless every rank raises it alike."""
-        if isinstance(exc, (NonFiniteError, PeerFailed, WaitTimeout)):
-            return
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        ours = tb is not None and "pipeengine" in tb.tb_frame.f_code.co_filename
-        input_error = isinstance(exc, LayerError) or (ours and isinstance(exc, (ValueError, TypeError)))
-        doing = doing_text(self.watch.doing)
-        self.watch.fail(exc, f"error: rank {self.rank} ({self.watch.context}) failed in {doing}: "
-                             f"{type(exc).__name__}: {exc}", input_error)
-
     def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
         self.watch.wait(work, what, peers, cuda=self.device.type == "cuda")
 
@@ -506,23 +371,13 @@ class PipelineEngine:
             result = self._run(self.eval_program, data_iter, train=False, keep_outputs=return_outputs)
             result.loss = self._global_loss()
         except BaseException as exc:
-            self._tell_the_others(exc)
+            self.watch.report(exc)
             raise
         if return_outputs and self.chunks[-1].is_last:
             result.outputs = [self.chunks[-1].outputs[k] for k in sorted(self.chunks[-1].outputs)]
         result.records = self.clock.records()
         result.step_time = self.clock.elapsed(self.clock.mark())
         return result
-
-    def _update_loss_scale(self, skipped: bool) -> None:
-        """fp16: halve the scale on a skipped step, double it after 2000 good ones (as torch's GradScaler)."""
-        if self.loss_scale == 1.0:
-            return
-        self._good_steps = 0 if skipped else self._good_steps + 1
-        if skipped:
-            self.loss_scale = max(1.0, self.loss_scale / 2)
-        elif self._good_steps % 2000 == 0:
-            self.loss_scale *= 2
 
     # ------------------------------------------------------------------ execution
 
@@ -540,8 +395,8 @@ class PipelineEngine:
                                  f"of step {self.step_count}") from None
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise TypeError(f"the data iterator must yield (inputs, target) pairs, got {type(item).__name__}")
-            inputs.append(_to(item[0], self.device))
-            targets.append(_to(item[1], self.device))
+            inputs.append(to_device(item[0], self.device))
+            targets.append(to_device(item[1], self.device))
         return inputs, targets
 
     def _run(self, program: list[Step], data_iter: Iterator[Any] | None, train: bool,

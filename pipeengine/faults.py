@@ -48,6 +48,10 @@ class WaitTimeout(RuntimeError):
     """A wait did not complete in time; the message is this rank's line, then the wait-for report."""
 
 
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradients went non-finite (``on_nonfinite="stop"``); raised on every rank alike."""
+
+
 class PeerFailed(RuntimeError):
     """Another rank failed (or the launcher or the store went away); the message says which and why."""
 
@@ -122,6 +126,19 @@ class Watch:
                                         f"(killed or crashed without a trace: see its log): {why}")
         line = self._line("waits", what, peers, waited)
         raise error(f"{_describe(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
+
+    def report(self, exc: BaseException) -> None:
+        """Publish an exception leaving the engine on this rank, unless every rank raises it alike. A
+        ValueError or TypeError raised by pipeengine itself (e.g. a layer that cannot take its input)
+        counts as bad input."""
+        if isinstance(exc, (NonFiniteError, PeerFailed, WaitTimeout)):
+            return
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        ours = tb is not None and "pipeengine" in tb.tb_frame.f_code.co_filename
+        self.fail(exc, f"error: rank {self.rank} ({self.context}) failed in {doing_text(self.doing)}: "
+                       f"{type(exc).__name__}: {exc}", ours and isinstance(exc, (ValueError, TypeError)))
 
     def fail(self, exc: BaseException, summary: str, input_error: bool = False) -> None:
         """Tell every rank that this one failed (the first failure wins); called before the exception leaves."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from .faults import Watch
 
-__all__ = ["GradSync", "broadcast_buffers", "grad_sq_norm", "clip_grad_norm"]
+__all__ = ["GradSync", "LossScale", "final_gradients", "broadcast_buffers", "grad_sq_norm", "clip_grad_norm"]
 
 
 class GradSync:
@@ -174,3 +174,41 @@ def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, norm:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
+
+
+def final_gradients(program: Sequence[Sequence[Any]], chunk_params: Sequence[Sequence[nn.Parameter]],
+                    split_backward: bool) -> dict[int, list[nn.Parameter]]:
+    """Program index -> the parameters whose last gradient of the step that action accumulates: the
+    chunk's last B (its last W when backward is split); a parameter shared by chunks, the later one."""
+    from .actions import Kind
+    grad_kind = Kind.W if split_backward else Kind.B
+    last = {st[0].chunk: i for i, st in enumerate(program) if st[0].kind is grad_kind}
+    final: dict[int, tuple[int, nn.Parameter]] = {}   # id(param) -> (program index, param)
+    for c, params in enumerate(chunk_params):
+        for p in params:
+            if c in last and last[c] > final.get(id(p), (-1, p))[0]:
+                final[id(p)] = (last[c], p)
+    at: dict[int, list[nn.Parameter]] = {}
+    for index, p in final.values():
+        at.setdefault(index, []).append(p)
+    return at
+
+
+class LossScale:
+    """fp16's dynamic loss scale (as torch's GradScaler): the loss is multiplied by ``value`` before
+    backward; a step whose gradients overflow is skipped and halves it, 2000 good steps double it.
+    Disabled (value 1.0, never overflowing) for fp32 and bf16."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.value = 2.0**16 if enabled else 1.0
+        self.good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        self.good_steps = 0 if overflow else self.good_steps + 1
+        if overflow:
+            self.value = max(2.0**-24, self.value / 2)
+        elif self.good_steps % 2000 == 0:
+            self.value *= 2

@@ -20,15 +20,6 @@ if TYPE_CHECKING:
 __all__ = ["Phase", "ActionRecord", "ActionClock", "COLORS", "PARTS", "decompose", "pipeline_bubble", "gather_records",
            "timeline_image", "chrome_trace", "write_json", "MetricsWriter"]
 
-COMPUTE_KINDS = ("F", "B", "W")
-#: Box colours of the timeline image (RGB), one per action kind.
-COLORS: dict[str, tuple[int, int, int]] = {
-    "F": (66, 133, 244), "B": (52, 168, 83), "W": (245, 124, 0), "COMM": (158, 158, 158),
-    "WAIT": (229, 115, 115), "SYNC": (142, 68, 173)}
-_OTHER = (60, 60, 60)          # an action kind this module does not know
-_BACKGROUND = (255, 255, 255)
-_INK = (0, 0, 0)
-
 
 class Phase(str, enum.Enum):
     """What a timed record covers (a ``str`` enum, so ``Phase.F == "F"``)."""
@@ -44,12 +35,22 @@ class Phase(str, enum.Enum):
         return self.value
 
 
+COMPUTE_KINDS = (Phase.F, Phase.B, Phase.W)
+#: Box colours of the timeline image (RGB), one per action kind.
+COLORS: dict[Phase, tuple[int, int, int]] = {
+    Phase.F: (66, 133, 244), Phase.B: (52, 168, 83), Phase.W: (245, 124, 0), Phase.COMM: (158, 158, 158),
+    Phase.WAIT: (229, 115, 115), Phase.SYNC: (142, 68, 173)}
+_OTHER = (60, 60, 60)          # an action kind this module does not know
+_BACKGROUND = (255, 255, 255)
+_INK = (0, 0, 0)
+
+
 class ActionRecord(NamedTuple):
     """One timed action of one rank; times in seconds since the step started on that rank."""
 
     rank: int
     stage: int         # pipeline stage (the virtual stage for interleaved schedules)
-    kind: str          # F, B, W (compute); COMM (posting a send/recv batch); WAIT (blocked on a transfer);
+    kind: Phase        # F, B, W (compute); COMM (posting a send/recv batch); WAIT (blocked on a transfer);
     #                    SYNC (end of step: DP all-reduce, norm, optimizer step)
     microbatch: int    # -1 when not applicable
     start: float
@@ -68,7 +69,7 @@ class ActionClock:
         self.rank = rank
         self.cuda = device.type == "cuda"
         self._t0: Any = None
-        self._pending: list[tuple[int, str, int, Any, Any]] = []
+        self._pending: list[tuple[int, Phase, int, Any, Any]] = []
 
     def mark(self) -> Any:
         if self.cuda:
@@ -81,7 +82,7 @@ class ActionClock:
         self._t0 = self.mark()
         self._pending = []
 
-    def add(self, stage: int, kind: str, microbatch: int, start: Any, end: Any) -> None:
+    def add(self, stage: int, kind: Phase, microbatch: int, start: Any, end: Any) -> None:
         self._pending.append((stage, kind, microbatch, start, end))
 
     def elapsed(self, stamp: Any) -> float:
@@ -285,7 +286,7 @@ def timeline_image(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, wid
 
 # -------------------------------------------------------------------------------------------- chrome trace
 
-_LANES = {"F": 0, "B": 0, "W": 0, "COMM": 1, "WAIT": 1, "SYNC": 2}
+_LANES = {Phase.F: 0, Phase.B: 0, Phase.W: 0, Phase.COMM: 1, Phase.WAIT: 1, Phase.SYNC: 2}
 _LANE_NAMES = {0: "compute", 1: "comm / wait", 2: "sync / optimizer", 3: "other"}
 
 

@@ -6,8 +6,11 @@ step at a time; nothing else goes on the wire. A forward stream (what one stage 
 in one train or eval step) starts with an explicit header action ``sendH``/``recvH`` that the
 lowering puts in a step of its own before the stream's first payload (simulate.py). A header
 step completes before the rank goes on, as the validator's rendezvous semantics assume of every
-step, so a payload receive is posted with known shapes: ``post()`` never waits on data and no
-receive is deferred. Gradients need no header: they have the shapes of what this rank sent.
+step, so a payload receive is posted with known shapes and no receive is deferred. ``post()``
+waits only where the proven program puts a completion: on a header step, for the header (the
+one time the host reads a transfer, once per stream and step; a host sync on CUDA), and in
+strict mode on the previous comm step. Gradients need no header: they have the shapes of what
+this rank sent.
 Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``;
 ``packed``: the stage returned a tuple (a tuple again on the other side, as in ``nn.Sequential``).
 
@@ -202,10 +205,10 @@ class Wire:
         return tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
 
     def post(self, step: Step) -> None:
-        """Post one comm step (sends first, then receives, each in program order); never waits on data.
+        """Post one comm step (sends first, then receives, each in program order).
 
-        In strict mode the previous comm step's ops complete first (see [Note: modes]); a header
-        step completes before the rank goes on (see [Note: the wire is the program]).
+        It waits only for what the program completes here: in strict mode the previous comm step
+        (see [Note: modes]), and a header step's header (see [Note: the wire is the program]).
         """
         for tr in self._last_step:   # strict mode only
             self._complete(tr)

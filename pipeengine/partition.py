@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from .simulate import Costs
 
 __all__ = ["PartitionError", "balance_min_max", "partition", "split", "describe", "LayerCost",
-           "profile_layers", "choose_bounds", "rank_costs", "Choice"]
+           "profile_layers", "choose_bounds", "rank_costs", "Choice", "agree_bounds"]
 
 METHODS = ("profile", "parameters", "uniform", "cost")
 
@@ -355,3 +356,108 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: "Schedule", memory_cap: 
                        per_stage))
     makespan, _, bounds, per_stage = min(scored, key=lambda x: (x[0], x[1], x[2]))
     return Choice(list(bounds), per_stage, makespan, memory(bounds), len(scored), split)
+
+
+# ------------------------------------------------------------------ agreeing on the bounds (collective)
+
+def agree_bounds(specs: Sequence[Any], schedule: "Schedule", method: str | Sequence[int], *, seed: int,
+                 sample: tuple[Any, Any] | None, memory_cap: float | None, precision: str,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device) -> tuple[list[int], Choice | None]:
+    """The stage bounds every rank uses, and the profile's :class:`Choice` (None for other methods).
+
+    Collective over the default group. One all-gather of layer fingerprints first checks that every
+    rank was given the same model; rank 0 computes the bounds once and broadcasts them (an error in
+    them is raised on every rank). ``specs`` are modules or factories (layers.py): sizing needs no
+    weights, and "profile" builds only a share of the layers per rank (:func:`_profile_shares`).
+    """
+    from .layers import fingerprint, model_mismatch, sizing_layers
+    sizing = sizing_layers(specs)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (seed, [fingerprint(m) for m in sizing]))
+    mismatch = model_mismatch(everyone)
+    if mismatch:
+        raise ValueError(mismatch)
+    profiled: list[LayerCost] = []
+    if method == "profile" and schedule.num_stages > 1:
+        profiled = _profile_shares(specs, seed, sample, loss_fn, device, precision, schedule.split_backward)
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            if profiled:
+                answer[0] = choose_bounds(profiled, schedule, memory_cap)
+            elif method == "profile":
+                answer[0] = [0, len(specs)]
+            elif isinstance(method, str):
+                answer[0] = partition(sizing, schedule.num_stages, method)
+            else:
+                answer[0] = partition(sizing, schedule.num_stages, boundaries=list(method))
+        except ValueError as exc:
+            answer[0] = str(exc)
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], str):
+        raise ValueError(answer[0])
+    if isinstance(answer[0], Choice):
+        return list(answer[0].bounds), answer[0]
+    return list(answer[0]), None
+
+
+def _profile_shares(specs: Sequence[Any], seed: int, sample: tuple[Any, Any] | None,
+                    loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device, precision: str,
+                    split: bool | None) -> list[LayerCost]:
+    """Every layer's measured costs, on every rank. Rank r profiles a contiguous share of the layers
+    (copies, or built from the factories) on its own device: it receives its share's input from rank
+    r - 1, passes its share's output on at once (one forward, no grad), then times its share while
+    the later ranks do theirs; on CPU with more processes x threads than cores it passes the
+    output on only after timing (the shares are timed one after the other). A failure on any
+    rank is raised on every rank. The share's layers are freed on return."""
+    import copy
+    import os
+
+    from .layers import build_layer
+    from .stage import PRECISIONS, LayerChain
+    from .stage import to_device as _to
+    if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise ValueError("partition='profile' needs sample=(inputs, target): one microbatch, on every rank, "
+                         "to time the layers on (or choose partition='parameters')")
+    n, rank, world = len(specs), dist.get_rank(), dist.get_world_size()
+    owners = min(n, world)
+    shares = partition(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
+    result: Any = []
+    if rank < owners:
+        lo, hi = shares[rank], shares[rank + 1]
+        x: Any = _to(sample[0], device)
+        if rank > 0:
+            got: list[Any] = [None]
+            dist.recv_object_list(got, src=rank - 1)
+            x = _to(got[0], device)
+        passed = rank + 1 == owners   # the next share's input (or the error) went on
+        # more processes than cores: time the shares one after the other (passing the input on
+        # after timing), or a share timed while others run would look slower than it is
+        one_at_a_time = device.type != "cuda" and world * torch.get_num_threads() > (os.cpu_count() or 1)
+        try:
+            if isinstance(x, str):
+                raise ValueError(x)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                layers = [build_layer(copy.deepcopy(specs[i]) if isinstance(specs[i], nn.Module) else specs[i],
+                                      i, seed).to(device) for i in range(lo, hi)]
+                with torch.no_grad(), torch.autocast(device.type, enabled=precision != "fp32",
+                                                     dtype=PRECISIONS[precision] or torch.float32):
+                    out = LayerChain(layers, lo)(x)
+                if not passed and not one_at_a_time:
+                    dist.send_object_list([_to(out, torch.device("cpu"))], dst=rank + 1)
+                    passed = True
+                result, _ = profile_layers(layers, lo, n, x, loss_fn=loss_fn, target=_to(sample[1], device),
+                                           device=device, precision=precision, split=split)
+                if not passed:
+                    dist.send_object_list([_to(out, torch.device("cpu"))], dst=rank + 1)
+                    passed = True
+        except (ValueError, TypeError, RuntimeError) as exc:
+            result = f"profiling layers {lo}..{hi - 1} on rank {rank} failed: {exc}"
+            if not passed:
+                dist.send_object_list([result], dst=rank + 1)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, result)
+    failed = next((r for r in everyone if isinstance(r, str)), None)
+    if failed:
+        raise ValueError(failed)
+    return [c for r in everyone for c in r]

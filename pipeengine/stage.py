@@ -396,6 +396,11 @@ def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return x
 
 
+def to_device(x: Any, device: torch.device) -> Any:
+    """A tensor, or the tensors of a (nested) tuple or list, on ``device``."""
+    return _map(x, lambda t: t.to(device))
+
+
 def _detach(x: Any) -> Any:
     return _map(x, lambda t: t.detach())
 
