@@ -403,8 +403,9 @@ def memory_worker(rank: int, world: int) -> list[Any]:
     from pipeengine.engine import PipelineEngine
     from pipeengine.topology import Topology
     out = []
-    for sched, m, wire in (("1f1b", 4, "strict"), ("1f1b", 12, "strict"), ("zb-h1", 12, "strict"),
-                           ("gpipe", 6, "strict"), ("1f1b", 4, "tags"), ("1f1b", 12, "tags"), ("zb-h1", 12, "tags")):
+    for sched, m, wire in (("1f1b", 4, "strict"), ("1f1b", 12, "strict"), ("zb-h1", 4, "strict"),
+                           ("zb-h1", 12, "strict"), ("gpipe", 6, "strict"), ("1f1b", 4, "tags"), ("1f1b", 12, "tags"),
+                           ("zb-h1", 12, "tags")):
         BUILT.clear()
         engine = PipelineEngine([functools.partial(Scale, i) for i in range(world)], lambda y, _: y.mean(),
                                 lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(world, 1), schedule=sched,
@@ -445,6 +446,7 @@ def test_boundary_memory_is_bounded_by_the_schedule_not_by_m_and_ranks_build_onl
         # flat in m: 1F1B with 12 microbatches holds what it holds with 4
         assert by[("1f1b", 12)][0] == by[("1f1b", 4)][0], (position, by)
         assert by[("1f1b/tags", 12)][0] == by[("1f1b/tags", 4)][0], (position, by)
+        assert by[("zb-h1", 12)][0] == by[("zb-h1", 4)][0], (position, by)
         # the counting sees growth when the schedule holds more (GPipe keeps every received microbatch)
         if position > 0:
             assert by[("gpipe", 6)][0] >= 6, (position, by)
@@ -457,10 +459,19 @@ OUT_OF_ORDER = parse_schedule(
     "recvH0<0 recvF0<0 F0 B0 recvF1<0 sendB0>0 F1 B1 sendB1>0")        # rank 1 waits for F1 before sending B0
 
 
+# a hand-written schedule file: not what compile_schedule lowers, but valid (the validator proves it)
+HAND_WRITTEN = parse_schedule(
+    "F0 sendH0>1 sendF0>1 F1 sendF1>1+recvB0<1 B0 recvB1<1 B1\n"
+    "recvH0<0 recvF0<0 F0 recvF1<0 B0 sendB0>0 F1 B1 sendB1>0")
+
+
 def out_of_order_worker(rank: int, world: int) -> list[str]:
     from pipeengine.engine import PipelineEngine
     from pipeengine.topology import Topology
     torch.set_default_dtype(torch.float64)
+    engine = PipelineEngine(mlp_layers(), nn.functional.mse_loss, OPTIMIZERS["sgd"], topology=Topology(2, 1),
+                            schedule=copy.deepcopy(HAND_WRITTEN), timeout=20, wire="strict")
+    hand = f"{engine.train_batch(replica_iter(batch, 0, 0, 1, 2)).loss:.6f}"   # first: before any failure
     out = []
     for wire in ("tags", "strict"):
         engine = PipelineEngine(mlp_layers(), nn.functional.mse_loss, OPTIMIZERS["sgd"], topology=Topology(2, 1),
@@ -469,15 +480,18 @@ def out_of_order_worker(rank: int, world: int) -> list[str]:
             out.append(f"{engine.train_batch(replica_iter(batch, 0, 0, 1, 2)).loss:.6f}")
         except Exception as exc:  # the test asserts on the message
             out.append(f"{type(exc).__name__}: {exc}")
-    return out
+    return [*out, hand]
 
 
 @pytest.mark.timeout(60)
 def test_out_of_order_schedule_hangs_in_strict_mode_and_is_rejected_by_the_validator() -> None:
+    validate(copy.deepcopy(HAND_WRITTEN))
     with pytest.raises(ScheduleError, match=r"link \(0, 1\) is not in paired order: op 2 is recvB0<1 on rank 0 "
                                             r"but recvF1<0 on rank 1"):
         validate(copy.deepcopy(OUT_OF_ORDER))
-    (tags0, strict0), (tags1, strict1) = run_distributed(out_of_order_worker, 2, timeout=50)
+    (tags0, strict0, hand0), (tags1, strict1, hand1) = run_distributed(out_of_order_worker, 2, timeout=50)
+    # a valid hand-written schedule runs in strict mode and computes the same step
+    assert hand0 == hand1 == tags0, (hand0, hand1, tags0)
     # Gloo's tag matching lets it through (so tags mode alone proves nothing) ...
     assert tags0 == tags1 and not tags0.startswith(("P2P", "Runtime")), (tags0, tags1)
     # ... NCCL's per-peer order does not: each rank waits for the other. The first to time out

@@ -133,7 +133,7 @@ def profile_worker(rank: int, world: int) -> list[Any]:
     for cap in (None, 4 * 4 * 2**20 + 2**20):
         engine = PipelineEngine(sleep_layers(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
                                 topology=Topology(2, 1), microbatches=4, partition="profile", sample=sample,
-                                memory_cap=cap)
+                                memory_cap=cap, wire="strict")
         choice = engine.partition_choice
         assert choice is not None
         out.append((engine.bounds, choice.stage_costs, choice.describe("1f1b")))
