@@ -452,17 +452,18 @@ def extra_table(rows: list[dict[str, Any]]) -> str:
 
 def gpt_table(rows: list[dict[str, Any]]) -> str:
     lines = _head("layers given as", "rank", "params on rank (M)", "growth by end of build MiB", "peak growth MiB",
-                  "peak growth / full model's 16 B/param", "rank's own share of it", "step (s)")
+                  "peak growth / full model's 16 B/param", "rank's own share of it",
+                  "peak growth / full params + AdamW state (12 B/param)", "step (s)")
     for r in rows:
         full = r["full_state_bytes"]
         if not isinstance(r["results"], list):
-            lines.append(f"| {r['variant']} | n/a ({r['results']}) | | | | | | |")
+            lines.append(f"| {r['variant']} | n/a ({r['results']}) | | | | | | | |")
             continue
         for x in sorted(r["results"], key=lambda x: x["rank"]):
             lines.append(f"| {r['variant']} | {x['rank']} | {x['local_params'] / 1e6:.1f} | "
                          f"{x['build_peak_mib'] - x['start_mib']:.0f} | {x['growth_mib']:.0f} | "
                          f"{x['growth_mib'] * MIB / full:.2f} | {x['local_params'] * 16 / full:.2f} | "
-                         f"{statistics.median(x['step_s']):.2f} |")
+                         f"{x['growth_mib'] * MIB / (full * 12 / 16):.2f} | {statistics.median(x['step_s']):.2f} |")
     return "\n".join(lines)
 
 

@@ -73,10 +73,12 @@ def _init(module: nn.Module) -> nn.Module:
 
 
 def _block(cfg: Config, index: int) -> nn.Module:
-    """Block ``index`` alone: the network is laid out on ``meta`` (no memory), the block materialised."""
+    """Block ``index`` alone: the network is laid out on ``meta`` (no memory), the block materialised
+    on the default device (``meta`` too while the engine sizes the layers: then nothing is allocated)."""
+    target = torch.get_default_device()
     with torch.device("meta"):
         block = flatten(_torchvision(cfg))[index]
-    return _init(block.to_empty(device="cpu"))
+    return _init(block.to_empty(device=target))
 
 
 def layer_factories(cfg: Config) -> list[Callable[[], nn.Module]]:

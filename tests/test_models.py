@@ -61,6 +61,12 @@ def test_layer_i_gets_the_same_weights_alone_and_in_the_whole_model(mod, cfg) ->
         fan_out = conv.shape[0] * conv.shape[2] * conv.shape[3]
         assert abs(conv.std().item() - (2 / fan_out) ** 0.5) < 0.2 * (2 / fan_out) ** 0.5
         assert torch.equal(whole[1].bn1.weight, torch.ones_like(whole[1].bn1.weight))
+    # sizing (the engine's parameter counts) builds nothing: every factory's layer on meta
+    from pipeengine.layers import sizing_layers
+    sized = sizing_layers(factories)
+    assert all(t.is_meta for m in sized for t in [*m.parameters(), *m.buffers()] if t.is_floating_point())
+    assert [sum(p.numel() for p in m.parameters()) for m in sized] == \
+        [sum(p.numel() for p in m.parameters()) for m in whole]
 
 
 def test_global_batches_are_deterministic_and_shard_exactly() -> None:
