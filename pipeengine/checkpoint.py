@@ -20,6 +20,8 @@ complete; a ``.tmp-`` one is a crashed save, ignored (and reported) when looking
 removed by the next save. Saving a step that exists moves the old folder aside (``.old-step-…``)
 only for the rename. ``AsyncSaver`` writes the same layout from a background thread (DCP's
 ``async_save``); its checkpoint is published at the next save or ``finish()``.
+Tensors are read by DCP; ``export`` writes a file for ``torch.load(..., weights_only=True)``. DCP's
+own ``.metadata`` is a pickle (torch's format, not ours): load checkpoints you trust.
 """
 
 from __future__ import annotations
