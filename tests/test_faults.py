@@ -28,6 +28,47 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------ units
 
+def test_a_cuda_wait_leaves_the_host_free_and_fp16_scaling_follows_overflows() -> None:
+    """No GPU here: the CUDA branches are checked on fakes. A CUDA wait is ``work.wait()`` without a
+    timeout (which would make it a host busy-wait that aborts the communicator); NCCL's watchdog
+    enforces the group's timeout."""
+    from pipeengine.faults import Watch
+    from pipeengine.grad_sync import LossScale
+
+    class Work:
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def wait(self, *args: Any, **kwargs: Any) -> bool:
+            self.calls.append((args, kwargs))
+            return True
+
+    class Store:
+        def set(self, *a: Any) -> None:
+            pass
+
+        def check(self, *a: Any) -> bool:
+            return False
+
+    w = Watch(Store(), 0, 1)
+    cuda, cpu = Work(), Work()
+    w.wait(cuda, "sendF0>1", [1], cuda=True)
+    w.wait(cpu, "sendF0>1", [1])
+    assert cuda.calls == [((), {})] and "timeout" in cpu.calls[0][1]
+    scale = LossScale(enabled=True)
+    scale.update(overflow=True)
+    assert scale.value == 2.0**15 and scale.good_steps == 0
+    for _ in range(2000):
+        scale.update(overflow=False)
+    assert scale.value == 2.0**16
+    for _ in range(40):   # far below 1: overflows are still seen and skipped (a scale of 1 is no "off")
+        scale.update(overflow=True)
+    assert 0 < scale.value < 1 and scale.enabled
+    off = LossScale(enabled=False)
+    off.update(overflow=True)
+    assert off.value == 1.0
+
+
 def test_wait_for_report_names_the_silent_rank_and_the_cycle() -> None:
     lines = {0: {"rank": 0, "context": "position 0, replica 0, step 21", "state": "waits", "what": "recvB0<1",
                  "peers": [2], "secs": 20.0},
