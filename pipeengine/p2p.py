@@ -26,10 +26,14 @@ own timeout and watchdog catch hangs there.
 [Note: buffer lifetimes]
 A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
 tensor (of which the stage kept only the autograd node, see stage.py) is held until its send
-completed: when ``take()`` gets a transfer from a peer, every send to that peer earlier in the
-link's order has been received (the peer posted those receives before it sent this), so they
-are waited on there without blocking. That is what releases sends on Gloo, whose works report
-completion only once waited on; ``poll()`` after every action releases what reports completion.
+completed. Gloo's works report completion only once waited on, so on Gloo the sends of earlier
+comm steps are waited on when the next comm step is posted: the validator proved the program
+under rendezvous semantics, where every step completes before the rank goes on, so this wait
+cannot close a cycle (strict mode waits for more: the receives too), and a stage holds at most one
+step's sends, whatever the schedule (GPipe's forward phase no longer keeps every output). Sooner
+still, when ``take()`` gets a transfer from a peer, every send to that peer earlier in the link's
+order has been received (the peer posted those receives before it sent this), so they are waited
+on there without blocking. On NCCL ``poll()`` after every action releases what reports completion.
 """
 
 from __future__ import annotations
@@ -212,6 +216,10 @@ class Wire:
         """
         for tr in self._last_step:   # strict mode only
             self._complete(tr)
+        if not self.coalesce:   # Gloo: earlier steps' sends complete now, see [Note: buffer lifetimes]
+            for tr in self._sends:
+                self._complete(tr)
+            self._sends = []
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
