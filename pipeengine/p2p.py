@@ -6,11 +6,9 @@ step at a time; nothing else goes on the wire. A forward stream (what one stage 
 in one train or eval step) starts with an explicit header action ``sendH``/``recvH`` that the
 lowering puts in a step of its own before the stream's first payload (simulate.py). A header
 step completes before the rank goes on, as the validator's rendezvous semantics assume of every
-step, so a payload receive is posted with known shapes and no receive is deferred. ``post()``
-waits only where the proven program puts a completion: on a header step, for the header (the
-one time the host reads a transfer, once per stream and step; a host sync on CUDA), and in
-strict mode on the previous comm step. Gradients need no header: they have the shapes of what
-this rank sent.
+step, so a payload receive is posted with known shapes and no receive is deferred (the header
+is the one transfer the host reads: once per stream and step). Gradients need no header: they
+have the shapes of what this rank sent.
 Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``;
 ``packed``: the stage returned a tuple (a tuple again on the other side, as in ``nn.Sequential``).
 
@@ -25,15 +23,13 @@ own timeout and watchdog catch hangs there.
 
 [Note: buffer lifetimes]
 A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
-tensor (of which the stage kept only the autograd node, see stage.py) is held until its send
-completed. Gloo's works report completion only once waited on, so on Gloo the sends of earlier
-comm steps are waited on when the next comm step is posted: the validator proved the program
-under rendezvous semantics, where every step completes before the rank goes on, so this wait
-cannot close a cycle (strict mode waits for more: the receives too), and a stage holds at most one
-step's sends, whatever the schedule (GPipe's forward phase no longer keeps every output). Sooner
-still, when ``take()`` gets a transfer from a peer, every send to that peer earlier in the link's
-order has been received (the peer posted those receives before it sent this), so they are waited
-on there without blocking. On NCCL ``poll()`` after every action releases what reports completion.
+tensor (the stage kept only its autograd node, see stage.py) is held until its send completed.
+Gloo's works report completion only once waited on, so on Gloo a comm step's sends are waited on
+when the next one is posted: the program was proven under rendezvous semantics (every step
+completes before the rank goes on), so this cannot close a cycle, and a stage holds one step's
+sends whatever the schedule. Sooner, when ``take()`` gets a transfer from a peer, the earlier
+sends to that peer in the link's order were received (the peer posted those receives before it
+sent this): they are waited on there without blocking. On NCCL ``poll()`` releases them.
 """
 
 from __future__ import annotations
@@ -209,17 +205,13 @@ class Wire:
         return tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
 
     def post(self, step: Step) -> None:
-        """Post one comm step (sends first, then receives, each in program order).
-
-        It waits only for what the program completes here: in strict mode the previous comm step
-        (see [Note: modes]), and a header step's header (see [Note: the wire is the program]).
+        """Post one comm step (sends first, then receives, each in program order). It waits only where
+        the proven program completes a step: Gloo's earlier sends ([Note: buffer lifetimes]), strict
+        mode's previous step ([Note: modes]), a header step's header ([Note: the wire is the program]).
         """
-        for tr in self._last_step:   # strict mode only
+        for tr in self._last_step + ([] if self.coalesce else self._sends):
             self._complete(tr)
-        if not self.coalesce:   # Gloo: earlier steps' sends complete now, see [Note: buffer lifetimes]
-            for tr in self._sends:
-                self._complete(tr)
-            self._sends = []
+        self.poll()
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
