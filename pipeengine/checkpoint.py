@@ -99,6 +99,8 @@ def _manifest(engine: PipelineEngine, step: int, extra: dict[str, Any] | None) -
             "world_size": engine.topology.world_size, "schedule": engine.schedule.name,
             "chunks": engine.schedule.chunks, "microbatches": engine.microbatches, "bounds": engine.bounds,
             "num_layers": engine.num_layers, "precision": engine.precision,
+            "schedule_costs": None if engine.schedule_costs is None else
+            [engine.schedule_costs.f, engine.schedule_costs.b, engine.schedule_costs.w],
             "versions": {"pipeengine": ours, "torch": torch.__version__},
             "saved": time.strftime("%Y-%m-%d %H:%M:%S"), **(extra or {})}
 
@@ -112,8 +114,11 @@ def _begin(engine: PipelineEngine, directory: str, step: int) -> tuple[str, str]
         try:
             os.makedirs(directory, exist_ok=True)
             for name in os.listdir(directory):   # a crashed save's leftovers (no save is in flight now)
-                if name.startswith((TMP, OLD)):
-                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                path = os.path.join(directory, name)
+                if name.startswith(OLD) and not os.path.exists(os.path.join(directory, PREFIX + name[len(OLD):])):
+                    os.replace(path, os.path.join(directory, PREFIX + name[len(OLD):]))   # a re-save died mid-swap
+                elif name.startswith((TMP, OLD)):
+                    shutil.rmtree(path, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as exc:
             error = f"cannot write checkpoints to {directory!r}: {exc.strerror or exc}; pass a writable --save-dir"
@@ -136,8 +141,8 @@ def _publish(engine: PipelineEngine, tmp: str, final: str, info: dict[str, Any],
             with open(os.path.join(tmp, MANIFEST), "w") as fh:
                 json.dump(info, fh, indent=1)
             old = os.path.join(os.path.dirname(final), OLD + os.path.basename(final)[len(PREFIX):])
-            if os.path.exists(final):   # the same step saved again: the old one stays loadable until replaced
-                os.replace(final, old)
+            if os.path.exists(final):   # the same step saved again: the old one stays complete (and found by
+                os.replace(final, old)  # complete_checkpoints) until the new one has its name
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
             if keep is not None:
@@ -157,12 +162,25 @@ def save(engine: PipelineEngine, directory: str, step: int, *, keep: int | None 
     """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
     tmp, final = _begin(engine, directory, step)
+    state = _local(tmp, lambda: _state(engine, step))
     try:
-        dcp_save(_state(engine, step), checkpoint_id=tmp)
+        dcp_save(state, checkpoint_id=tmp)
     except (Exception, CheckpointException) as exc:   # DCP raises every rank's write errors on all ranks
         raise CheckpointError(_failed(tmp, exc)) from None
     _publish(engine, tmp, final, _manifest(engine, step, extra), keep)
     return final
+
+
+def _local(tmp: str, work: Any) -> Any:
+    """``work()`` on every rank, a failure on one (host memory for the copy) raised on all before any
+    rank enters DCP's collectives, where the others would wait for it."""
+    result, error = None, None
+    try:
+        result = work()
+    except (Exception, CheckpointException) as exc:
+        error = _failed(tmp, exc)
+    _agree(error)
+    return result
 
 
 class AsyncSaver:
@@ -170,13 +188,15 @@ class AsyncSaver:
 
     ``save`` copies this rank's state to host memory (the training step waits only for that copy)
     and returns; a thread writes the shards over a Gloo group of its own, so its collectives never
-    interleave with the engine's. The checkpoint becomes visible (manifest, rename) at the next
-    ``save`` or at ``finish()``, which every rank calls at the same point: until then it is a
-    ``.tmp-`` folder, ignored by ``latest``. Create it on every rank at the same point (it makes a group).
+    interleave with the engine's (``timeout``: seconds its collectives may wait). The checkpoint
+    becomes visible (manifest, rename) at the next ``save`` or at ``finish()``, which every rank
+    calls at the same point: until then it is a ``.tmp-`` folder, ignored by ``latest``. Create it
+    on every rank at the same point (it makes a group).
     """
 
-    def __init__(self) -> None:
-        group = dist.new_group(backend="gloo")
+    def __init__(self, timeout: float = 600.0) -> None:
+        from datetime import timedelta
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         assert isinstance(group, dist.ProcessGroup)   # every rank is a member
         self.group = group
         self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None] | None = None
@@ -186,7 +206,8 @@ class AsyncSaver:
         from torch.distributed.checkpoint.state_dict_saver import async_save
         self.finish()
         tmp, final = _begin(engine, directory, step)
-        future = async_save(_state(engine, step), checkpoint_id=tmp, process_group=self.group)
+        future = _local(tmp, lambda: async_save(_state(engine, step), checkpoint_id=tmp,
+                                                process_group=self.group))   # copies, then a thread writes
         self._pending = (future, engine, tmp, final, _manifest(engine, step, extra), keep)
         return final
 
@@ -216,12 +237,17 @@ def _agree(error: str | None) -> None:
 
 
 def complete_checkpoints(directory: str) -> list[str]:
-    """Complete checkpoints in a save directory, oldest first."""
+    """Complete checkpoints in a save directory, oldest first (an ``.old-step-…`` one whose re-save died
+    between the two renames counts: it is complete and nothing replaced it)."""
     if not os.path.isdir(directory):
         return []
-    names = sorted(n for n in os.listdir(directory) if n.startswith(PREFIX)
-                   and os.path.exists(os.path.join(directory, n, MANIFEST)))
-    return [os.path.join(directory, n) for n in names]
+    names = os.listdir(directory)
+    found = {n[len(PREFIX):]: n for n in names if n.startswith(PREFIX)}
+    for n in names:
+        if n.startswith(OLD):
+            found.setdefault(n[len(OLD):], n)
+    return [os.path.join(directory, found[k]) for k in sorted(found)
+            if os.path.exists(os.path.join(directory, found[k], MANIFEST))]
 
 
 def latest(directory: str) -> tuple[str | None, list[str]]:
