@@ -171,7 +171,9 @@ class PipelineEngine:
             loss_fn=loss_fn, device=self.device)
         if self.partition_choice is not None and isinstance(schedule, str) and costs is None:
             # the schedule's communication order (and zb-h1's variant) from the measured costs
-            self.schedule = compile_schedule(schedule, pp, microbatches, chunks, self.partition_choice.mean_costs())
+            costs = self.partition_choice.mean_costs()
+            self.schedule = compile_schedule(schedule, pp, microbatches, chunks, costs)
+        self.schedule_costs = costs   # what the schedule was lowered with (None: unit costs), kept in checkpoints
         self.num_layers = len(specs)
         stage_of_layer = {i: s for s in range(num_stages) for i in range(self.bounds[s], self.bounds[s + 1])}
         my_stages = [self.schedule.stage(self.position, c) for c in range(self.schedule.chunks)]
@@ -313,7 +315,7 @@ class PipelineEngine:
         values = vec.tolist()
         result.grad_norm = math.sqrt(values[0])
         result.loss = self._mean_over_replicas(values[1])
-        overflow = self.loss_scale.enabled and not math.isfinite(result.grad_norm)   # fp16: expected now and then
+        overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
         result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
         if result.nonfinite and self.on_nonfinite == "stop":
             raise NonFiniteError(self._nonfinite_message(result, values[2:]))
@@ -462,6 +464,9 @@ class PipelineEngine:
             chunk.backward_weight(mb)
         else:
             start = self.clock.mark()
+            if self.wire.settle():   # the proof's completions before this step: timed as waiting
+                self.clock.add(chunk.stage, Phase.WAIT, mb, start, self.clock.mark())
+                start = self.clock.mark()
             self.wire.post(step)
         phase = Phase(a.kind.value) if a.kind.is_compute else Phase.COMM
         self.clock.add(chunk.stage, phase, mb, start, self.clock.mark())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -197,18 +198,25 @@ def final_gradients(program: Sequence[Sequence[Any]], chunk_params: Sequence[Seq
 class LossScale:
     """fp16's dynamic loss scale (as torch's GradScaler): the loss is multiplied by ``value`` before
     backward; a step whose gradients overflow is skipped and halves it, 2000 good steps double it.
-    Disabled (value 1.0, never overflowing) for fp32 and bf16."""
+    Disabled (value 1.0, never overflowing) for fp32 and bf16. At the floor, a non-finite gradient is
+    no overflow but non-finite (``on_nonfinite`` decides), or a diverged run would skip steps forever."""
+
+    FLOOR = 2.0**-24
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.value = 2.0**16 if enabled else 1.0
         self.good_steps = 0
 
+    def overflow(self, grad_norm: float) -> bool:
+        """Whether a step with this gradient norm overflowed (to be skipped, the scale halved)."""
+        return self.enabled and not math.isfinite(grad_norm) and self.value > self.FLOOR
+
     def update(self, overflow: bool) -> None:
         if not self.enabled:
             return
         self.good_steps = 0 if overflow else self.good_steps + 1
         if overflow:
-            self.value = max(2.0**-24, self.value / 2)
+            self.value = max(self.FLOOR, self.value / 2)
         elif self.good_steps % 2000 == 0:
             self.value *= 2

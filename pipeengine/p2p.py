@@ -14,22 +14,21 @@ Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEAD
 
 [Note: modes]
 ``tags`` (Gloo default): tensor ``i`` of transfer ``t = 3 * (microbatch * stages + producer) +
-direction`` has tag ``16 t + i``; Gloo matches by (peer, tag), so a step's ops are started and
-left running. ``strict`` (NCCL semantics on Gloo, used by the tests): one tag between a pair, so
-Gloo matches by per-peer order as NCCL does, and a comm step's ops complete before the next comm
-step is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is one
-``batch_isend_irecv`` and waits make the compute stream wait, not the host; the process group's
-own timeout and watchdog catch hangs there.
+direction`` has tag ``16 t + i``; Gloo matches by (peer, tag), so a step's receives are left
+running. ``strict`` (NCCL semantics on Gloo, used by the tests): one tag between a pair, so Gloo
+matches by per-peer order as NCCL does, and a comm step's ops complete before the next comm step
+is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is one
+``batch_isend_irecv``; waits make the compute stream wait, not the host (NCCL's watchdog times out).
 
 [Note: buffer lifetimes]
 A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
 tensor (the stage kept only its autograd node, see stage.py) is held until its send completed.
 Gloo's works report completion only once waited on, so on Gloo a comm step's sends are waited on
-when the next one is posted: the program was proven under rendezvous semantics (every step
-completes before the rank goes on), so this cannot close a cycle, and a stage holds one step's
-sends whatever the schedule. Sooner, when ``take()`` gets a transfer from a peer, the earlier
-sends to that peer in the link's order were received (the peer posted those receives before it
-sent this): they are waited on there without blocking. On NCCL ``poll()`` releases them.
+when the next one is posted (``settle()``): the program was proven under rendezvous semantics,
+where every step completes before the rank goes on, so this closes no cycle, and a stage holds
+one step's sends whatever the schedule. Sooner, when ``take()`` gets a transfer from a peer, the
+earlier sends to it in the link's order were received (it posted those receives before sending
+this): they are waited on there without blocking. On NCCL ``poll()`` releases them.
 """
 
 from __future__ import annotations
@@ -205,13 +204,9 @@ class Wire:
         return tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
 
     def post(self, step: Step) -> None:
-        """Post one comm step (sends first, then receives, each in program order). It waits only where
-        the proven program completes a step: Gloo's earlier sends ([Note: buffer lifetimes]), strict
-        mode's previous step ([Note: modes]), a header step's header ([Note: the wire is the program]).
-        """
-        for tr in self._last_step + ([] if self.coalesce else self._sends):
-            self._complete(tr)
-        self.poll()
+        """Post one comm step (sends first, then receives, each in program order), after ``settle()``.
+        It waits only for a header step's header ([Note: the wire is the program])."""
+        self.settle()
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
@@ -233,6 +228,15 @@ class Wire:
             if tr.action.kind is Kind.RECV_H:
                 self._complete(tr)
                 self._streams[self.stage_of(tr.action.chunk) - 1] = decode_header(tr.tensors[0])
+
+    def settle(self) -> bool:
+        """Complete what the proven program completes before the next comm step: Gloo's earlier sends
+        ([Note: buffer lifetimes]), strict mode's last step ([Note: modes]). Whether it had to wait."""
+        pending = [tr for tr in self._last_step + ([] if self.coalesce else self._sends) if not tr.done]
+        for tr in pending:
+            self._complete(tr)
+        self.poll()
+        return bool(pending)
 
     def _issue(self, ops: list[tuple[_Transfer, torch.Tensor, int]]) -> None:
         if self.log is not None:
@@ -263,11 +267,8 @@ class Wire:
         tr.done = True
 
     def take(self, kind: Kind, mb: int, chunk: int) -> Any:
-        """Wait for a posted receive and hand its tensors over (the wire keeps no reference).
-
-        ``recvF`` gives what the producer stage returned (a Tensor, or a tuple when it returned one);
-        ``recvB`` gives the tuple of gradients of this chunk's floating-point outputs.
-        """
+        """Wait for a posted receive and hand its tensors over (the wire keeps no reference): ``recvF``
+        what the producer stage returned (a Tensor or a tuple), ``recvB`` the gradients of its outputs."""
         tr = self._incoming.pop((kind, mb, chunk))
         self._complete(tr)
         for send in self._sends:   # see [Note: buffer lifetimes]

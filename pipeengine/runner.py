@@ -151,9 +151,11 @@ def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...
             kw["momentum"] = 0.9
         return opt_cls(ps, **kw)
 
-    resume_from, partition = _pick_checkpoint(cfg, topo, len(factories)), cfg.partition_arg()
+    resume_from, partition, costs = _pick_checkpoint(cfg, topo, len(factories)), cfg.partition_arg(), None
     if resume_from is not None and cfg.partition == "profile" and resume_from[1] is not None:
-        partition = resume_from[1]   # the checkpoint's measured bounds: the resumed run computes as the first did
+        # the checkpoint's measured bounds and schedule costs: the resumed run computes as the first did
+        partition, saved_costs = resume_from[1]
+        costs = Costs(*saved_costs) if saved_costs else None
     sample = None
     if partition == "profile":   # time the layers on the run's first microbatch
         batches = importlib.import_module("pipeengine.models.data").batches
@@ -164,7 +166,7 @@ def _setup(cfg: TrainConfig, device: torch.device, world: int) -> tuple[Any, ...
                             tied=mod.tied_parameters(len(factories)), device=device, timeout=cfg.timeout,
                             grad_clip=cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None,
                             checkpoint=cfg.checkpoint, precision=cfg.precision, on_nonfinite=cfg.on_nonfinite,
-                            partition=partition, sample=sample, wire=cfg.wire,
+                            partition=partition, sample=sample, wire=cfg.wire, costs=costs,
                             memory_cap=cfg.memory_cap * 2**30 if cfg.memory_cap else None)
     return topo, mcfg, source, engine, resume_from[0] if resume_from else None
 
@@ -210,7 +212,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
               f"{global_batch}; logs in {run_dir}")
     is_tty = sys.stdout.isatty() and not cfg.quiet
     stop = _StopRequest(watch().store)
-    saver = AsyncSaver() if cfg.async_save and (cfg.save_interval or cfg.save_on_exit) else None
+    saver = (AsyncSaver(cfg.timeout or STARTUP_TIMEOUT) if cfg.async_save and (cfg.save_interval or cfg.save_on_exit)
+             else None)
 
     def data_iter(split: str, step: int) -> Any:
         if not engine.needs_data:
@@ -288,6 +291,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             print(f"saved {published} (in the background)")
     except NonFiniteError as exc:   # every rank raises it alike
         state["status"] = f"stopped: {exc}"
+        if saver is not None:   # a background save still in flight is made visible (every rank is here)
+            saver.finish()
         if rank == 0:
             print(f"{chr(10) if is_tty else ''}error: {exc}", file=sys.stderr)
         code = EXPLAINED
@@ -322,7 +327,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 def _save(cfg: TrainConfig, engine: PipelineEngine, step: int, newline: bool, saver: AsyncSaver | None) -> None:
     t_save = time.perf_counter()
-    extra = {"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg)}
+    extra = {"model": cfg.model, "preset": cfg.preset, "config": asdict(cfg),
+             "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
     if saver is None:
         saved = save(engine, cfg.save_dir, step, keep=cfg.keep or None, extra=extra)
     else:
@@ -380,52 +386,72 @@ def _train_step(cfg: TrainConfig, engine: PipelineEngine, topo: Topology, writer
 
 # settings that change what a resumed run computes (data, learning rate, model), compared on resume
 _TRAJECTORY = ("model", "preset", "data", "seed", "steps", "lr", "min_lr", "warmup", "optimizer", "weight_decay",
-               "grad_clip", "micro_batch_size", "microbatches", "precision")
+               "grad_clip", "precision")
 
 
-def _pick_checkpoint(cfg: TrainConfig, topo: Topology, num_layers: int) -> tuple[str, list[int] | None] | None:
-    """The checkpoint to resume from (rank 0 decides, every rank learns it) and its stage bounds when
-    they fit this run (same pp, chunks and layers), or None to start at step 0.
+def _pick_checkpoint(cfg: TrainConfig, topo: Topology, num_layers: int) -> Any:
+    """The checkpoint to resume from, and (its stage bounds, its schedule costs) when they fit this run
+    (same pp, chunks and layers), else None; None to start at step 0. Rank 0 decides, every rank learns it.
 
-    A group restarted by torchrun (``--max-restarts``) resumes from the newest checkpoint in
-    ``--save-dir`` by itself, ``--resume`` or not: otherwise it would start over and overwrite it.
+    A group restarted by torchrun (``--max-restarts``) resumes by itself from the newest checkpoint
+    this run wrote in ``--save-dir`` (torchrun's run id: a fresh one per single-node launch; multi-node
+    runs share "none", and then the newest checkpoint is taken), else from what ``--resume`` named:
+    otherwise it would start over and overwrite its own checkpoints.
     """
-    ask = cfg.resume
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if ask is None and attempt > 0:
-        ask = "latest"
-    if ask is None:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if cfg.resume is None and attempt == 0:
         return None
     answer: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            if attempt > 0:
-                print(f"restart {attempt}: resuming from the newest checkpoint in {cfg.save_dir!r}")
-            path: str | None = ask
-            if ask == "latest":
-                path, partial = latest(cfg.save_dir)
+            path: str | None = None
+            if attempt > 0 or cfg.resume == "latest":
+                found, partial = latest(cfg.save_dir)
                 for p in partial:
                     print(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
-                if path is None:
-                    print(f"no checkpoint in {cfg.save_dir!r}: starting at step 0")
+                if found is not None and (cfg.resume == "latest" or run_id in (None, "none")   # (no id: trust it)
+                                          or manifest(found).get("run_id") == run_id):
+                    path = found
+            if path is None and cfg.resume not in (None, "latest"):
+                path = cfg.resume
+            if attempt > 0:
+                print(f"restart {attempt}: resuming from {path}" if path else
+                      f"restart {attempt}: no checkpoint of this run yet: starting at step 0")
+            elif path is None:
+                print(f"no checkpoint in {cfg.save_dir!r}: starting at step 0")
             if path is not None:
                 path = resolve(path)
                 info = manifest(path)
                 same = (info.get("pp") == topo.pp and info.get("chunks") == cfg.chunks
-                        and info.get("num_layers") == num_layers)
-                answer[0] = (path, info.get("bounds") if same else None)
-                saved = info.get("config") or {}
-                changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in _TRAJECTORY
-                           if k in saved and saved[k] != getattr(cfg, k)]
-                if changed:
-                    print(f"note: resuming with settings that differ from the checkpoint's ({'; '.join(changed)}): "
-                          f"the run continues, but not as the saved one would have")
-        except (CheckpointError, OSError, ValueError) as exc:
+                        and info.get("num_layers") == num_layers and isinstance(info.get("bounds"), list))
+                answer[0] = (path, (info["bounds"], info.get("schedule_costs")) if same else None)
+                _note_changes(cfg, topo, info)
+        except (CheckpointError, OSError, ValueError, TypeError, KeyError) as exc:
             answer[0] = f"--resume: {exc}"
     dist.broadcast_object_list(answer, src=0)
     if isinstance(answer[0], str):
         raise ValueError(answer[0])
-    return answer[0]   # type: ignore[no-any-return]
+    return answer[0]
+
+
+def _note_changes(cfg: TrainConfig, topo: Topology, info: dict[str, Any]) -> None:
+    """Say which settings that change the run differ from the checkpoint's (a run may mean to change them)."""
+    saved = info.get("config")
+    if not isinstance(saved, dict):
+        return
+    changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in _TRAJECTORY
+               if k in saved and saved[k] != getattr(cfg, k)]
+    try:   # the data follow the global batch, however it is split over replicas and microbatches
+        before = int(info["dp"]) * int(saved["microbatches"]) * int(saved["micro_batch_size"])
+        now = topo.dp * cfg.microbatches * cfg.micro_batch_size
+        if before != now:
+            changed.append(f"global batch {before} -> {now}")
+    except (KeyError, TypeError, ValueError):
+        pass
+    if changed:
+        print(f"note: resuming with settings that differ from the checkpoint's ({'; '.join(changed)}): "
+              f"the run continues, but not as the saved one would have")
 
 
 def _resume(cfg: TrainConfig, engine: PipelineEngine, path: str | None) -> int:

@@ -221,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="bf16: autocast, activations between stages in bf16, fp32 parameters, gradients and "
                         "optimizer state; fp16: the same with a dynamic loss scale, CUDA only")
     p.add_argument("--wire", default=d.wire, choices=["tags", "strict"],
-                   help="Gloo: tags (a step's transfers matched by tag, left running) or strict (NCCL's semantics "
+                   help="Gloo: tags (transfers matched by tag, receives left running) or strict (NCCL's semantics "
                         "emulated: one tag per pair, each comm step completes before the next; run a schedule "
                         "file here as NCCL would); NCCL always coalesces each step")
     p.add_argument("--save-interval", type=int, default=d.save_interval, metavar="N",
@@ -237,8 +237,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="on Ctrl-C or SIGTERM, finish the step in progress on every rank and save a checkpoint")
     p.add_argument("--async-save", action="store_true", default=d.async_save,
                    help="write checkpoints in the background (torch.distributed.checkpoint.async_save): a save "
-                        "costs the step only a copy of the state to host memory; it becomes visible at the "
-                        "next save or at the end")
+                        "costs the step a copy of the state to host memory (and the previous save's end, if it "
+                        "is still writing); it becomes visible at the next save or at the end")
     return p
 
 

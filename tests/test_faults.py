@@ -61,9 +61,12 @@ def test_a_cuda_wait_leaves_the_host_free_and_fp16_scaling_follows_overflows() -
     for _ in range(2000):
         scale.update(overflow=False)
     assert scale.value == 2.0**16
-    for _ in range(40):   # far below 1: overflows are still seen and skipped (a scale of 1 is no "off")
+    for _ in range(39):   # far below 1: overflows are still seen and skipped (a scale of 1 is no "off")
+        assert scale.overflow(math.inf)
         scale.update(overflow=True)
-    assert 0 < scale.value < 1 and scale.enabled
+    assert scale.value == 2.0**-23 and scale.overflow(math.inf) and not scale.overflow(3.0)
+    scale.update(overflow=True)   # at the floor a non-finite gradient is non-finite: on_nonfinite decides
+    assert scale.value == LossScale.FLOOR and not scale.overflow(math.inf)
     off = LossScale(enabled=False)
     off.update(overflow=True)
     assert off.value == 1.0
