@@ -163,11 +163,20 @@ def test_bad_checkpoints_give_one_line_errors_and_overwrite_nothing(tmp_path: Pa
         and len(insp.stderr.strip().splitlines()) == 1, insp.stderr
 
 
-def test_cli_usage() -> None:
+def test_cli_usage_and_which_folders_count_as_checkpoints(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main([])
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve("/nonexistent/ck")
+    # a re-save of step 4 died between its renames: the old one (complete) still counts; a save that
+    # died before its manifest does not; step 6's re-save finished its swap but not the clean-up
+    for name in ("step-00000002", ".old-step-00000004", "step-00000006", ".old-step-00000006", ".tmp-step-00000008",
+                 "step-00000010"):
+        (tmp_path / name).mkdir()
+        if name != "step-00000010":
+            (tmp_path / name / "manifest.json").write_text("{}")
+    assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path))] == \
+        ["step-00000002", ".old-step-00000004", "step-00000006"]
 
 
 # ------------------------------------------------------------------ restart after a rank dies (real processes)
