@@ -425,7 +425,8 @@ def _pick_checkpoint(cfg: TrainConfig, topo: Topology, num_layers: int) -> Any:
                 info = manifest(path)
                 same = (info.get("pp") == topo.pp and info.get("chunks") == cfg.chunks
                         and info.get("num_layers") == num_layers and isinstance(info.get("bounds"), list))
-                answer[0] = (path, (info["bounds"], info.get("schedule_costs")) if same else None)
+                costs = info.get("schedule_costs") if info.get("schedule") == cfg.schedule else None
+                answer[0] = (path, (info["bounds"], costs) if same else None)
                 _note_changes(cfg, topo, info)
         except (CheckpointError, OSError, ValueError, TypeError, KeyError) as exc:
             answer[0] = f"--resume: {exc}"
