@@ -186,12 +186,12 @@ def _local(tmp: str, work: Any) -> Any:
 class AsyncSaver:
     """Saves that write in the background (DCP's ``async_save``) while training goes on.
 
-    ``save`` copies this rank's state to host memory (the training step waits only for that copy)
-    and returns; a thread writes the shards over a Gloo group of its own, so its collectives never
-    interleave with the engine's (``timeout``: seconds its collectives may wait). The checkpoint
-    becomes visible (manifest, rename) at the next ``save`` or at ``finish()``, which every rank
-    calls at the same point: until then it is a ``.tmp-`` folder, ignored by ``latest``. Create it
-    on every rank at the same point (it makes a group).
+    ``save`` copies this rank's state to host memory (the training step waits for that copy, and
+    for the previous save if it is still writing) and returns; a thread writes the shards over a
+    Gloo group of its own, so its collectives never interleave with the engine's (``timeout``:
+    seconds they may wait). The checkpoint becomes visible (manifest, rename) at the next ``save``
+    or at ``finish()``, which every rank calls at the same point: until then it is a ``.tmp-``
+    folder, ignored by ``latest``. Create it on every rank at the same point (it makes a group).
     """
 
     def __init__(self, timeout: float = 600.0) -> None:
