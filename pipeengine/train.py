@@ -222,8 +222,8 @@ def _parser() -> argparse.ArgumentParser:
                         "optimizer state; fp16: the same with a dynamic loss scale, CUDA only")
     p.add_argument("--wire", default=d.wire, choices=["tags", "strict"],
                    help="Gloo: tags (transfers matched by tag, receives left running) or strict (NCCL's semantics "
-                        "emulated: one tag per pair, each comm step completes before the next; run a schedule "
-                        "file here as NCCL would); NCCL always coalesces each step")
+                        "emulated: one tag per pair, each comm step completes before the next: what hangs on "
+                        "NCCL hangs here); NCCL always coalesces each step")
     p.add_argument("--save-interval", type=int, default=d.save_interval, metavar="N",
                    help="save a checkpoint every N steps and after the last step (0: never)")
     p.add_argument("--save-dir", default=d.save_dir, help="checkpoint directory")
