@@ -331,7 +331,7 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
         if key.startswith("optim."):
             param_key, _, name = key[len("optim."):].rpartition(".")
             saved.setdefault(param_key, {})[name] = key
-    aliases = {f"layers.{i}.{n}": [f"layers.{j}.{m}" for j, m in tie] for tie in engine.tied for i, n in tie}
+    aliases = {f"layers.{i}.{n}": [f"layers.{j}.{m}" for j, m in tie] for tie in engine.ties.tied for i, n in tie}
     optim: dict[int, dict[str, str]] = {}   # param id -> state name -> key
     for p in engine.parameters:
         # a tied parameter's state may have been saved under another copy's key (another partition)

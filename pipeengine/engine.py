@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .actions import Action, Kind, Schedule, Step
-from .faults import STARTUP_TIMEOUT, NonFiniteError, adaptive_timeout, watch
-from .grad_sync import GradSync, LossScale, broadcast_buffers, clip_grad_norm, final_gradients, grad_sq_norm
-from .layers import LayerSpec, build_layer, share_tied
+from .faults import STARTUP_TIMEOUT, NonFiniteError, adaptive_timeout, nonfinite_message, watch
+from .grad_sync import GradSync, LossScale, Ties, broadcast_buffers, clip_grad_norm, final_gradients, grad_sq_norm
+from .layers import LayerSpec, build_layer
 from .metrics import ActionClock, ActionRecord, Phase
 from .p2p import Wire
 from .partition import agree_bounds
@@ -180,25 +180,9 @@ class PipelineEngine:
         mine = {i: build_layer(specs[i], i, seed) for s in my_stages for i in range(self.bounds[s], self.bounds[s + 1])}
         del specs   # see [Note: per-stage construction] in layers.py
 
-        # ties: one Parameter object per rank (share_tied), summed over the positions holding a copy
-        self.tied = [list(tie) for tie in tied]
-        for tie in tied:
-            for i, _ in tie:
-                if not 0 <= i < self.num_layers:
-                    raise ValueError(f"tied parameter names layer {i}, but the model has {self.num_layers} layers")
-        tie_positions = [tuple(sorted({self.schedule.placement(stage_of_layer[i])[0] for i, _ in tie}))
-                         for tie in tied]
-        self.groups: ProcessGroups = build_groups(self.topology, self.rank, ties=tie_positions)
-        self._ties: list[tuple[nn.Parameter, Any, int]] = []   # (local copy, group, source global rank)
-        self._norm_skip: set[int] = set()
-        for tie, positions in zip(tied, tie_positions):
-            shared = share_tied(mine, tie)
-            if len(positions) < 2 or not shared:
-                continue
-            source = self.schedule.placement(stage_of_layer[tie[0][0]])[0]
-            self._ties.append((shared[0], self.groups.tie_groups[positions], self._global(source)))
-            if self.position != source:
-                self._norm_skip.add(id(shared[0]))
+        self.ties = Ties(tied, self.num_layers, lambda i: self.schedule.placement(stage_of_layer[i])[0])
+        self.groups: ProcessGroups = build_groups(self.topology, self.rank, ties=self.ties.positions)
+        self.ties.share(mine, self.groups.tie_groups, self.position, self._global)
 
         self.chunks: list[StageChunk] = []
         for s in my_stages:
@@ -210,7 +194,7 @@ class PipelineEngine:
                                                    for p in ch.module.parameters()}.values())
         owner = {id(p): c for c in reversed(range(len(self.chunks))) for p in self.chunks[c].module.parameters()}
         self._chunk_params = [[p for p in self.parameters if owner[id(p)] == c] for c in range(len(self.chunks))]
-        self._chunk_skips = [any(id(p) in self._norm_skip for p in ps) for ps in self._chunk_params]
+        self._chunk_skips = [any(id(p) in self.ties.norm_skip for p in ps) for ps in self._chunk_params]
         self._buffers = [b for ch in self.chunks for b in ch.module.buffers()]
         self._broadcast_initial_state()
         self.optimizer = optimizer(self.parameters)
@@ -245,8 +229,7 @@ class PipelineEngine:
                 for p in self.parameters:
                     dist.broadcast(p.data, src=src, group=self.groups.dp_group)
                 broadcast_buffers(self._buffers, src, self.groups.dp_group)
-            for p, group, src in self._ties:
-                dist.broadcast(p.data, src=src, group=group)
+        self.ties.broadcast()
         # every rank joins one world collective first (NCCL wants that before subset p2p batches)
         dist.barrier()
 
@@ -289,11 +272,7 @@ class PipelineEngine:
         self.watch.doing = "the end-of-step gradient sync"
         self.grad_sync.finish()
         synced = self.clock.mark()
-        for p, group, _ in self._ties:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self._wait(dist.all_reduce(p.grad, group=group, async_op=True), "the tied-gradient sum",
-                       dist.get_process_group_ranks(group))
+        self.ties.sum_grads(lambda work, peers: self._wait(work, "the tied-gradient sum", peers))
         if self.loss_scale.enabled:
             for p in self.parameters:
                 if p.grad is not None:
@@ -304,7 +283,7 @@ class PipelineEngine:
         vec = torch.zeros(2 + 2 * stages, dtype=torch.float64, device=self.device)
         for ch, params, skips in zip(self.chunks, self._chunk_params, self._chunk_skips):
             sq = grad_sq_norm(params)
-            vec[0] += grad_sq_norm(params, self._norm_skip) if skips else sq
+            vec[0] += grad_sq_norm(params, self.ties.norm_skip) if skips else sq
             vec[2 + 2 * ch.stage:4 + 2 * ch.stage] += ch.nonfinite
             vec[3 + 2 * ch.stage] += (~torch.isfinite(sq)).double()
         if last.is_last:
@@ -318,7 +297,10 @@ class PipelineEngine:
         overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
         result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
         if result.nonfinite and self.on_nonfinite == "stop":
-            raise NonFiniteError(self._nonfinite_message(result, values[2:]))
+            raise NonFiniteError(nonfinite_message(
+                self.step_count, result.loss, result.grad_norm, values[2:], self.replica,
+                lambda s: f"layers {self.bounds[s]}..{self.bounds[s + 1] - 1}, "
+                          f"rank {self._global(self.schedule.placement(s)[0])}"))
         result.skipped = overflow or result.nonfinite
         if result.skipped:
             self.skipped_steps += result.nonfinite
@@ -338,25 +320,6 @@ class PipelineEngine:
         result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
         self.step_count += 1
         return result
-
-    def _nonfinite_message(self, result: StepResult, flags: list[float]) -> str:
-        """Where the step went non-finite: the first stage with a non-finite output, else the last with gradients."""
-        def layers(s: int) -> str:
-            rank = self._global(self.schedule.placement(s)[0])
-            return f"layers {self.bounds[s]}..{self.bounds[s + 1] - 1}, rank {rank}"
-        stages = range(self.schedule.num_stages)
-        out = [s for s in stages if flags[2 * s] > 0]
-        grad = [s for s in stages if flags[2 * s + 1] > 0]
-        if out:
-            where = f"the first non-finite forward output came from stage {out[0]} ({layers(out[0])})"
-        elif grad:
-            where = (f"the forward was finite; the backward went non-finite first in stage {grad[-1]} "
-                     f"({layers(grad[-1])})")
-        else:
-            where = "the stage outputs and gradients were finite: the loss function returned it"
-        return (f"step {self.step_count}: loss {result.loss:g}, gradient norm {result.grad_norm:g}: {where} "
-                f"(replica {self.replica}'s view). Skip such steps with on_nonfinite='skip' (--on-nonfinite skip), "
-                f"or lower the learning rate")
 
     def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
         self.watch.wait(work, what, peers, cuda=self.device.type == "cuda")

@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -54,6 +54,24 @@ class NonFiniteError(FloatingPointError):
 
 class PeerFailed(RuntimeError):
     """Another rank failed (or the launcher or the store went away); the message says which and why."""
+
+
+def nonfinite_message(step: int, loss: float, grad_norm: float, flags: Sequence[float], replica: int,
+                      place: Callable[[int], str]) -> str:
+    """Where a step went non-finite. ``flags``: per stage, non-finite outputs then non-finite gradients
+    (summed over the pipeline); ``place(stage)`` names its layers and rank. The first stage with a
+    non-finite output is the source; else the last one whose gradients went non-finite."""
+    stages = range(len(flags) // 2)
+    out = [s for s in stages if flags[2 * s] > 0]
+    grad = [s for s in stages if flags[2 * s + 1] > 0]
+    if out:
+        where = f"the first non-finite forward output came from stage {out[0]} ({place(out[0])})"
+    elif grad:
+        where = f"the forward was finite; the backward went non-finite first in stage {grad[-1]} ({place(grad[-1])})"
+    else:
+        where = "the stage outputs and gradients were finite: the loss function returned it"
+    return (f"step {step}: loss {loss:g}, gradient norm {grad_norm:g}: {where} (replica {replica}'s view). "
+            f"Skip such steps with on_nonfinite='skip' (--on-nonfinite skip), or lower the learning rate")
 
 
 def adaptive_timeout(step_times: Sequence[float]) -> float:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .faults import Watch
 
-__all__ = ["GradSync", "LossScale", "final_gradients", "broadcast_buffers", "grad_sq_norm", "clip_grad_norm"]
+__all__ = ["GradSync", "Ties", "LossScale", "final_gradients", "broadcast_buffers", "grad_sq_norm", "clip_grad_norm"]
 
 
 class GradSync:
@@ -220,3 +220,43 @@ class LossScale:
             self.value = max(self.FLOOR, self.value / 2)
         elif self.good_steps % 2000 == 0:
             self.value *= 2
+
+
+class Ties:
+    """Parameters that are one logical parameter (``tied``: groups of ``(layer index, name)``): one
+    Parameter object per rank (layers.share_tied), the first entry's value everywhere at the start,
+    gradients summed over the positions holding a copy, counted once in the norm (by the first)."""
+
+    def __init__(self, tied: Sequence[Sequence[tuple[int, str]]], num_layers: int,
+                 position_of_layer: Callable[[int], int]) -> None:
+        for tie in tied:
+            for i, _ in tie:
+                if not 0 <= i < num_layers:
+                    raise ValueError(f"tied parameter names layer {i}, but the model has {num_layers} layers")
+        self.tied = [list(tie) for tie in tied]
+        self.positions = [tuple(sorted({position_of_layer(i) for i, _ in tie})) for tie in tied]
+        self._sources = [position_of_layer(tie[0][0]) for tie in tied]
+        self.copies: list[tuple[nn.Parameter, Any, int]] = []   # (this rank's copy, tie group, source rank)
+        self.norm_skip: set[int] = set()                        # ids of copies another position counts
+
+    def share(self, layers: dict[int, nn.Module], tie_groups: dict[tuple[int, ...], Any], position: int,
+              global_rank: Callable[[int], int]) -> None:
+        """Tie this rank's copies (``layers``: its built layers by index) once the groups exist."""
+        from .layers import share_tied
+        for tie, positions, source in zip(self.tied, self.positions, self._sources):
+            shared = share_tied(layers, tie)
+            if len(positions) > 1 and shared:
+                self.copies.append((shared[0], tie_groups[positions], global_rank(source)))
+                if position != source:
+                    self.norm_skip.add(id(shared[0]))
+
+    def broadcast(self) -> None:
+        with torch.no_grad():
+            for p, group, src in self.copies:
+                dist.broadcast(p.data, src=src, group=group)
+
+    def sum_grads(self, wait: Callable[[Any, Sequence[int]], None]) -> None:
+        for p, group, _ in self.copies:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            wait(dist.all_reduce(p.grad, group=group, async_op=True), dist.get_process_group_ranks(group))
