@@ -291,10 +291,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             print(f"saved {published} (in the background)")
     except NonFiniteError as exc:   # every rank raises it alike
         state["status"] = f"stopped: {exc}"
-        if saver is not None:   # a background save still in flight is made visible (every rank is here)
-            saver.finish()
         if rank == 0:
             print(f"{chr(10) if is_tty else ''}error: {exc}", file=sys.stderr)
+        try:   # a background save still in flight is made visible (every rank is here)
+            if saver is not None and (published := saver.finish()) and rank == 0:
+                print(f"saved {published} (in the background)")
+        except CheckpointError as failed:   # raised on every rank alike
+            if rank == 0:
+                print(f"error: {failed}", file=sys.stderr)
         code = EXPLAINED
     except (PeerFailed, WaitTimeout) as exc:   # shown once per job: by rank 0, unless the reporter did
         state["status"] = f"failed: {str(exc).splitlines()[0]}"
