@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeengine.engine import PipelineEngine  # noqa: E402
 from pipeengine.hostalloc import keep_freed_memory  # noqa: E402
-from pipeengine.layers import build_layer  # noqa: E402
+from pipeengine.layers import build_layer, build_layers  # noqa: E402
 from pipeengine.partition import partition as split_bounds  # noqa: E402
 from pipeengine.topology import Topology  # noqa: E402
 
@@ -107,8 +107,7 @@ def theirs(mod: Any, mcfg: Any, pp: int, m: int, data: list[Any], schedule: str)
 
 def single(mod: Any, mcfg: Any, m: int, data: list[Any]) -> Callable[[], None]:
     """The unsplit model on rank 0, gradient accumulation over the same microbatches."""
-    factories = mod.layer_factories(mcfg)
-    net = nn.Sequential(*[build_layer(f, i, 0) for i, f in enumerate(factories)])
+    net = nn.Sequential(*build_layers(mod.layer_factories(mcfg)))
     opt = _opt(net.parameters())
 
     def step() -> None:

@@ -235,7 +235,7 @@ class Wire:
         pending = [tr for tr in self._last_step + ([] if self.coalesce else self._sends) if not tr.done]
         for tr in pending:
             self._complete(tr)
-        self.poll()
+        self._last_step = []   # (the completed sends are dropped by the next poll())
         return bool(pending)
 
     def _issue(self, ops: list[tuple[_Transfer, torch.Tensor, int]]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -167,13 +169,12 @@ def _sync(device: torch.device) -> None:
 def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
                    loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
                    precision: str = "fp32", split: bool | None = None, repeats: int = 3,
-                   min_time: float = 0.1, max_repeats: int = 25) -> tuple[list[LayerCost], Any]:
+                   min_time: float = 0.1, max_repeats: int = 25) -> list[LayerCost]:
     """Measure ``layers`` (model layers ``first``, ``first + 1``, ...) on one microbatch ``x``, the input of
     ``layers[0]``: each layer runs F, B and W as a one-layer chunk of the engine (the model's first layer
     as a first stage, its last with ``loss_fn`` on ``target``). Median of at least ``repeats`` runs after
     one warm-up, more for a fast layer (until ``min_time`` seconds were timed, at most ``max_repeats``
-    runs), so that a short slow spell of a shared machine does not decide. Returns the costs and the
-    output of the last layer (the next share's input).
+    runs), so that a short slow spell of a shared machine does not decide.
 
     The layers are used as given: pass copies (profiling runs them in train mode, so BatchNorm
     statistics move, and leaves gradients behind).
@@ -238,7 +239,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(saved.values()) + out_bytes,
                                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters())))
         x = out
-    return costs, x
+    return costs
 
 
 @dataclass
@@ -313,11 +314,11 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: "Schedule", memory_cap: 
             act[r] = max(act[r], float(sum(c.activation_bytes for c in layer)))
         return [m + peaks[r] * act[r] for r, m in enumerate(mem)]
 
-    def enumerate_splits(limit: float, cap: int) -> list[list[int]]:
+    def enumerate_splits(limit: float) -> list[list[int]]:   # at most 100,000
         found: list[list[int]] = []
 
         def rec(start: int, s: int, acc: list[int]) -> None:
-            if len(found) >= cap:
+            if len(found) >= 100_000:
                 return
             if s == stages - 1:
                 if prefix[n] - prefix[start] <= limit:
@@ -333,11 +334,11 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: "Schedule", memory_cap: 
     def widest(bounds: list[int]) -> float:
         return max(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:]))
 
-    candidates = enumerate_splits(1.5 * widest(balance_min_max([c.total for c in costs], stages)) + 1e-12, 100_000)
+    candidates = enumerate_splits(1.5 * widest(balance_min_max([c.total for c in costs], stages)) + 1e-12)
     if memory_cap is not None:
         candidates = [b for b in candidates if max(memory(b)) <= memory_cap]
         if not candidates:   # the cap may need an unbalanced split
-            every = enumerate_splits(float("inf"), 100_000)
+            every = enumerate_splits(float("inf"))
             candidates = [b for b in every if max(memory(b)) <= memory_cap]
         if not candidates:
             least = min(every, key=lambda b: max(memory(b)))
@@ -410,9 +411,6 @@ def _profile_shares(specs: Sequence[Any], seed: int, sample: tuple[Any, Any] | N
     the later ranks do theirs; on CPU with more processes x threads than cores it passes the
     output on only after timing (the shares are timed one after the other). A failure on any
     rank is raised on every rank. The share's layers are freed on return."""
-    import copy
-    import os
-
     from .layers import build_layer
     from .stage import PRECISIONS, LayerChain
     from .stage import to_device as _to
@@ -446,8 +444,8 @@ def _profile_shares(specs: Sequence[Any], seed: int, sample: tuple[Any, Any] | N
                 if not passed and not one_at_a_time:
                     dist.send_object_list([_to(out, torch.device("cpu"))], dst=rank + 1)
                     passed = True
-                result, _ = profile_layers(layers, lo, n, x, loss_fn=loss_fn, target=_to(sample[1], device),
-                                           device=device, precision=precision, split=split)
+                result = profile_layers(layers, lo, n, x, loss_fn=loss_fn, target=_to(sample[1], device),
+                                        device=device, precision=precision, split=split)
                 if not passed:
                     dist.send_object_list([_to(out, torch.device("cpu"))], dst=rank + 1)
                     passed = True

@@ -315,12 +315,11 @@ def _profile_main(args: argparse.Namespace) -> int:
         return 2
     torch.manual_seed(0)
     cfg = presets[args.preset]()
-    layers = [f() for f in mod.layer_factories(cfg)]
+    layers = mod.build(cfg)
     batches = importlib.import_module("pipeengine.models.data").batches
     x, y = next(iter(batches(mod.make_source(cfg, None), "train", 0, 0, 0, 1, 1, args.micro_batch_size)))
     try:
-        costs, _ = profile_layers(layers, 0, len(layers), x, loss_fn=mod.loss_fn, target=y,
-                                  device=torch.device("cpu"))
+        costs = profile_layers(layers, 0, len(layers), x, loss_fn=mod.loss_fn, target=y, device=torch.device("cpu"))
     except LayerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
