@@ -1,8 +1,10 @@
 """Engine efficiency against the ideal schedule, and against torch.distributed.pipelining, side by side.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/efficiency.py \\
+    python -m torch.distributed.run --standalone --nproc_per_node 4 -m benchmarks.efficiency \\
         --schedules 1f1b gpipe --microbatches 8 32 --tf 0.01 --tb 0.01 --tw 0.01
-    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/efficiency.py --real
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.efficiency --real
+
+Run from the repository root (the scripts are modules of the ``benchmarks`` package).
 
 Sleep mode: every stage is a SleepStage (benchmarks/sleep_stages.py) whose F, B (input grad) and
 W (weight grad) sleep the given seconds and pass a real activation (--act rows x cols float32).
@@ -24,45 +26,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.sleep_stages import sleep_layers  # noqa: E402
-from pipeengine.engine import PipelineEngine  # noqa: E402
-from pipeengine.schedule import Costs, simulate  # noqa: E402
-from pipeengine.topology import Topology  # noqa: E402
+from benchmarks.common import (append_jsonl, describe_real, efficiency_table, finish_and_exit, init_from_env,
+                               mean_loss, timed_steps)
+from benchmarks.sleep_stages import sleep_layers
+from pipeengine.runtime.engine import PipelineEngine
+from pipeengine.runtime.topology import Topology
+from pipeengine.schedule import Costs, simulate
 
 CHUNKS = {"interleaved-1f1b": 2}
-
-
-def _loss(out: torch.Tensor, target: Any) -> torch.Tensor:
-    return out.float().mean()
-
-
-def _median_step(run_step: Callable[[], None], steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        run_step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
     v = CHUNKS.get(name, 1)
     layers = sleep_layers(pp * v, *(x / v for x in t))
-    engine = PipelineEngine(layers, _loss, lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(pp, 1),
+    engine = PipelineEngine(layers, mean_loss, lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(pp, 1),
                             schedule=name, microbatches=m, chunks=v, partition=list(range(pp * v + 1)),
                             costs=Costs(*(x / v for x in t)))
     x = torch.randn(*act)
@@ -90,7 +75,7 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
               for c in range(v)]
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
            "zb-h1": ScheduleInterleavedZeroBubble}[name]
-    sched = cls(stages if name in ("interleaved-1f1b", "zb-h1") else stages[0], n_microbatches=m, loss_fn=_loss)
+    sched = cls(stages if name in ("interleaved-1f1b", "zb-h1") else stages[0], n_microbatches=m, loss_fn=mean_loss)
     full = torch.randn(act[0] * m, act[1])
     first, last = rank == 0, rank == (n - 1) % pp
 
@@ -124,7 +109,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     half = max(1, steps // 2)
     for rnd in range(2):   # alternate engines so machine noise hits both
         for e in runners:
-            times[e] += _median_step(runners[e]["step"], half if rnd == 0 else steps - half)
+            times[e] += timed_steps(runners[e]["step"], half if rnd == 0 else steps - half)
     sched = runners["ours"]["engine"].schedule if "ours" in runners else None
     peaks = runners["ours"]["peaks"] if "ours" in runners else {}
     durations = runners["ours"]["durations"] if "ours" in runners else {}
@@ -240,32 +225,6 @@ def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) ->
             "ratio_to_machine_bound": speedup / machine}
 
 
-def describe_real(r: dict[str, Any]) -> str:
-    """One sentence for a real-mode row (printed by this script, written to the README by sweep.py)."""
-    return (f"Real compute (MLP {r['depth']} x {r['hidden']}, global batch {r['global_batch']}, "
-            f"{r['microbatches']} microbatches): single process {r['single_s']:.3f} s/step, pp=2 "
-            f"{r['pp2_s']:.3f} s/step, speedup {r['speedup']:.2f} of ideal {r['ideal_speedup']:.2f} "
-            f"(ratio {r['ratio_to_ideal']:.3f}). What this machine allows: the slower half alone "
-            f"{r['half_alone_s']:.3f} s, with the other half running at once {r['halves_together_s']:.3f} s "
-            f"(x{r['slowdown_together']:.2f}), so a free pipeline would reach {r['machine_bound_speedup']:.2f} "
-            f"({r['machine_bound_speedup'] / r['ideal_speedup']:.3f} of ideal); ours is "
-            f"{r['ratio_to_machine_bound']:.3f} of that.")
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| schedule | pp | m | ideal (s) | ours (s) | ours eff. | ours eff. (measured costs) | ovh/action (ms) | "
-            "torch (s) | torch eff. | ours/torch throughput |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
-    for r in rows:
-        def f(key: str, fmt: str = "{:.3f}") -> str:
-            return fmt.format(r[key]) if key in r else "n/a"
-        lines.append(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['ideal_s']:.3f} | "
-                     f"{f('ours_median_s')} | {f('ours_efficiency')} | {f('ours_efficiency_vs_measured_costs')} | "
-                     f"{f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
-                     f"{f('torch_efficiency')} | {f('ratio_ours_over_torch', '{:.2f}x')} |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", nargs="+", default=["1f1b"],
@@ -284,8 +243,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=1024)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_from_env()
     rows: list[dict[str, Any]] = []
     if args.real:
         if dist.get_world_size() != 2:
@@ -304,18 +262,13 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
     if dist.get_rank() == 0:
         if args.out:
-            with open(args.out, "a") as fh:
-                for r in rows:
-                    fh.write(json.dumps(r) + "\n")
+            append_jsonl(args.out, rows)
         if args.real:
             print(json.dumps(rows[0]))
             print(describe_real(rows[0]))
         else:
-            print(table(rows))
-    dist.barrier()   # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)   # see train.main: torch.distributed's C++ objects sometimes abort at interpreter exit
+            print(efficiency_table(rows))
+    finish_and_exit()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Fault table: what a user of launch/pipe.sh sees for each fault, and how long until every process is gone.
 
-    python benchmarks/faults.py            # about 3 minutes on 2 cores
-    python benchmarks/faults.py --only sigstop nan
+    python -m benchmarks.faults            # about 3 minutes on 2 cores
+    python -m benchmarks.faults --only sigstop nan
 
-Each scenario starts ``launch/pipe.sh N cpus`` (or, for an exception inside a layer, the ranks of
-``tests/fault_worker.py`` without torchrun), injects the fault, and records the first line the
-user sees that explains it, the exit status, and the seconds from the fault until no process of
-the run is left. Prints a Markdown table.
+Run from the repository root. Each scenario starts ``launch/pipe.sh N cpus`` (or, for an exception
+inside a layer, the ranks of ``tests/fault_worker.py`` without torchrun), injects the fault, and
+records the first line the user sees that explains it, the exit status, and the seconds from the
+fault until no process of the run is left. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import ROOT, free_port
 EXPLAINS = re.compile(r"(error:|pipeengine: wait-for report|SIGINT:|SIGTERM:|pipe.sh: (?!\d+ ranks)|ChildFailedError|"
                       r"PeerFailed|Killed)")
 
@@ -154,9 +153,7 @@ def nan() -> dict[str, Any]:
 
 def layer_exception() -> dict[str, Any]:
     """Rank 1 raises in a layer's forward at step 2 and stays alive; no torchrun."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     runs = [Run([sys.executable, "-m", "tests.fault_worker", str(r), "3", str(port), "raise"],
                 env={"OMP_NUM_THREADS": "1"}) for r in range(3)]
     runs[0].wait_for("step 1")

@@ -1,21 +1,22 @@
 """Peak memory per rank: our engine against torch.distributed.pipelining, same model, microbatches and partition.
 
-    python benchmarks/memory.py                  # full matrix (pp 2, 4; m 4, 16, 64; A = 16 MiB) + extras + big GPT
+    python -m benchmarks.memory                  # full matrix (pp 2, 4; m 4, 16, 64; A = 16 MiB) + extras + big GPT
                                                  # (estimated 15-20 minutes on the 2-core VM)
-    python benchmarks/memory.py --quick          # smoke test: pp 2, m 4 and 16, A = 4 MiB, 1 measured step,
+    python -m benchmarks.memory --quick          # smoke test: pp 2, m 4 and 16, A = 4 MiB, 1 measured step,
                                                  # small GPT at pp 2 (about 1.5 minutes on the 2-core VM)
-    python benchmarks/memory.py --microbatches 4 16 --act-mib 4 --write-readme
+    python -m benchmarks.memory --microbatches 4 16 --act-mib 4 --write-readme
                                                  # pp 2 and 4, the big GPT; rewrites the table between
                                                  # <!-- memory:begin --> and <!-- memory:end --> in benchmarks/README.md
 
-This script is the launcher: per configuration it starts P fresh worker processes
-``python benchmarks/memory.py --worker ...`` itself (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a
-free MASTER_PORT in their environment, as ``torchrun --standalone`` would set them), with
-``MALLOC_MMAP_THRESHOLD_=65536`` (glibc returns big freed blocks at once, so RSS follows live memory)
-and ``OMP_NUM_THREADS=1``; every configuration starts from a clean process. One configuration by hand:
+Run from the repository root. This script is the launcher: per configuration it starts P fresh worker
+processes ``python -m benchmarks.memory --worker ...`` itself, in the repository root (RANK, WORLD_SIZE,
+MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their environment, as ``torchrun --standalone`` would
+set them), with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc returns big freed blocks at once, so RSS follows
+live memory) and ``OMP_NUM_THREADS=1``; every configuration starts from a clean process. One
+configuration by hand:
 
     MALLOC_MMAP_THRESHOLD_=65536 python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        benchmarks/memory.py --worker --model boundary --schedule 1f1b -m 16 --act-mib 16 \\
+        -m benchmarks.memory --worker --model boundary --schedule 1f1b -m 16 --act-mib 16 \\
         --variants ours torch --out-dir /tmp/mem     # per-rank JSON files in /tmp/mem
 
 What it measures, per rank:
@@ -36,7 +37,7 @@ What it measures, per rank:
   Step times are recorded but are not performance figures: with the mmap threshold every large
   allocation is a fresh mmap whose pages fault in, which slows both engines.
 * Extra rows, ours only: ``precision="bf16"`` on the boundary model, and a ``deep`` model (4 layers
-  ``relu(x * w + b)`` per stage, each saving its A-MiB output) with ``checkpoint="none"`` and
+  ``relu(x * w + b)`` per stage, each saving its A-MiB output) with ``recompute="none"`` and
   ``"full"``: peak and step time. Skipped with a note if PipelineEngine has no such argument.
 * Big GPT (models/gpt.py), pp = 4 (pp = 2 with --quick), AdamW, 2 steps: each rank's peak RSS over
   its RSS at process start (after importing torch and ``warm_process()``, whose first optimizer
@@ -59,29 +60,23 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+import pipeengine.models.gpt as gpt
+from benchmarks.common import (RESULTS, ROOT, append_jsonl, finish_and_exit, free_port, init_from_env, mean_loss,
+                               timed_steps, write_readme_block)
+from pipeengine.runtime.engine import PipelineEngine
+from pipeengine.runtime.topology import Topology
 
-import pipeengine.models.gpt as gpt  # noqa: E402
-from benchmarks.efficiency import _median_step as _timed_steps  # noqa: E402
-from pipeengine.engine import PipelineEngine  # noqa: E402
-from pipeengine.topology import Topology  # noqa: E402
-
-BEGIN, END = "<!-- memory:begin -->", "<!-- memory:end -->"
 COLS = 1024                      # activation columns; rows = A MiB * 256
 DEEP_LAYERS = 4                  # layers per stage of the deep (checkpointing) model
 MIB = 1024 * 1024
@@ -160,14 +155,10 @@ def make_layers(model: str, pp: int) -> list[nn.Module]:
     return [Affine(COLS, relu=model == "deep") for _ in range(pp * layers_per_stage(model))]
 
 
-def mean_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
-    return out.float().mean()
-
-
 # ---------------------------------------------------------------------------------------------- worker
 
 def _variant_kwargs(variant: str) -> dict[str, Any]:
-    """'ours:checkpoint=full,precision=bf16' -> {'checkpoint': 'full', 'precision': 'bf16'}."""
+    """'ours:recompute=full,precision=bf16' -> {'recompute': 'full', 'precision': 'bf16'}."""
     _, _, opts = variant.partition(":")
     return dict(kv.split("=", 1) for kv in opts.split(",") if kv)
 
@@ -243,9 +234,9 @@ def worker_matrix(a: argparse.Namespace, device: torch.device, probe: Probe) -> 
             dist.barrier()
             pre = probe.current()
             step = _build_torch(a, device, mbs) if variant == "torch" else _build_ours(variant, a, device, mbs)
-            warm = _timed_steps(step, 1)
+            warm = timed_steps(step, 1)
             base = probe.reset_peak()
-            times = _timed_steps(step, a.steps)
+            times = timed_steps(step, a.steps)
             peak = probe.peak()
             rec = {"rank": rank, "pre_mib": pre, "baseline_mib": base, "peak_mib": peak, "growth_mib": peak - base,
                    "held_mib": base - pre, "warmup_s": warm[0], "step_s": statistics.median(times)}
@@ -284,7 +275,7 @@ def worker_gpt(a: argparse.Namespace, device: torch.device, probe: Probe, import
     batch = [(torch.randint(0, cfg.vocab_size, (a.gpt_batch, cfg.block_size), generator=g),
               torch.randint(0, cfg.vocab_size, (a.gpt_batch, cfg.block_size), generator=g)) for _ in range(a.m)]
     batch = [(x.to(device), y.to(device)) for x, y in batch]
-    times = _timed_steps(lambda: engine.train_batch(iter(batch) if engine.needs_data else None), a.steps)
+    times = timed_steps(lambda: engine.train_batch(iter(batch) if engine.needs_data else None), a.steps)
     peak = probe.peak()
     local = sum(p.numel() for p in engine.parameters)
     _write(a.out_dir, a.variants[0], {"rank": rank, "import_mib": import_mib, "start_mib": start_mib,
@@ -294,44 +285,34 @@ def worker_gpt(a: argparse.Namespace, device: torch.device, probe: Probe, import
 
 
 def worker(a: argparse.Namespace, import_mib: float) -> None:
-    torch.set_num_threads(1)
     a.steps = a.steps or 2
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=a.timeout))
+    init_from_env("nccl" if cuda else "gloo", timeout=a.timeout)
     probe = Probe(device)
     warm_process("torch" in a.variants)
     if a.model == "gpt":
         worker_gpt(a, device, probe, import_mib)
     else:
         worker_matrix(a, device, probe)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)   # see train.main: torch.distributed's C++ objects sometimes abort at interpreter exit
+    finish_and_exit()
 
 
 # ---------------------------------------------------------------------------------------------- launcher
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(nproc: int, wargs: list[str], out_dir: str, timeout: float) -> tuple[bool, str]:
-    """Start ``nproc`` fresh worker processes of this script (env:// rendezvous on a free port); wait for them.
+    """Start ``nproc`` fresh worker processes of this module (env:// rendezvous on a free port); wait for them.
 
     The same as ``torchrun --standalone --nproc_per_node nproc`` without torchrun's own process (which
     would import torch once more on this 2-core machine). If one worker fails or the time runs out,
     the others (which would wait in a collective) are killed. Returns (ok, tail of rank 0's output).
     """
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", *wargs]
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", *wargs]
     print("+", " ".join(cmd[1:]), flush=True)
     env = dict(os.environ, **WORKER_ENV, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     logs = [open(os.path.join(out_dir, f"log.rank{r}.txt"), "w") for r in range(nproc)]
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
@@ -468,9 +449,9 @@ def gpt_table(rows: list[dict[str, Any]]) -> str:
 
 
 def engine_options() -> tuple[bool, bool]:
-    """Does PipelineEngine take checkpoint= and precision= (the extra rows need them)?"""
+    """Does PipelineEngine take recompute= and precision= (the extra rows need them)?"""
     params = inspect.signature(PipelineEngine.__init__).parameters
-    return "checkpoint" in params, "precision" in params
+    return "recompute" in params, "precision" in params
 
 
 def gpt_full_params(cfg: gpt.Config) -> int:
@@ -490,14 +471,14 @@ def main() -> None:
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zb-h1"], choices=list(TORCH_SCHEDULES))
     p.add_argument("--act-mib", type=int, default=16, help="A: MiB of one microbatch's activation (float32)")
     p.add_argument("--steps", type=int, default=None, help="measured steps after one warm-up step (2; --quick: 1)")
-    p.add_argument("--no-extra", action="store_true", help="skip the bf16 and checkpointing rows")
+    p.add_argument("--no-extra", action="store_true", help="skip the bf16 and recompute rows")
     p.add_argument("--no-gpt", action="store_true", help="skip the big GPT section")
     p.add_argument("--gpt-layers", choices=["auto", "factories", "modules", "both"], default=None,
                    help="how the GPT is given to the engine (auto: factories if pipeengine.models.gpt has them, else "
                         "modules; default both, --quick: auto)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     p.add_argument("--write-readme", action="store_true", help="rewrite the memory section of benchmarks/README.md")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "memory.jsonl"))
+    p.add_argument("--out", default=str(RESULTS / "memory.jsonl"))
     # worker-only arguments (set by the launcher)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="boundary", help=argparse.SUPPRESS)
@@ -540,19 +521,19 @@ def main() -> None:
     if not a.no_extra and not has_prec:
         notes.append("bf16 rows skipped: engine has no precision= argument yet")
 
-    # 2. checkpointing on the deep model (ours only): same schedule and m, with and without
+    # 2. recompute (activation checkpointing) on the deep model (ours only): same schedule and m, with and without
     if not a.no_extra:
         if has_ckpt:
             m = sorted(a.microbatches)[len(a.microbatches) // 2]   # the middle m (16): deep stages hold 5 A each
             for pp in a.pp:
                 for sched in (["1f1b"] if a.quick else ["1f1b", "gpipe"]):
-                    res = run_config(pp, ["ours", "ours:checkpoint=full"],
+                    res = run_config(pp, ["ours", "ours:recompute=full"],
                                      ["--model", "deep", "--schedule", sched, "-m", str(m), *common], a.timeout)
                     extras.append({"section": "extra", "model": f"deep ({DEEP_LAYERS} relu layers/stage)",
                                    "schedule": sched, "pp": pp, "m": m, "act_mib": a.act_mib, "steps": a.steps,
                                    "results": res})
         else:
-            notes.append("checkpoint rows skipped: engine has no checkpoint= argument yet")
+            notes.append("recompute rows skipped: engine has no recompute= argument yet")
     for r in matrix + extras:
         for recs in r["results"].values():
             if isinstance(recs, list):
@@ -581,14 +562,11 @@ def main() -> None:
                              "full_params": full // 16, "full_state_bytes": full, "results": res[way]})
 
     elapsed = time.time() - t0
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
     if os.path.exists(a.out):
         shutil.move(a.out, a.out + ".prev")
-    with open(a.out, "w") as fh:
-        for r in matrix + extras + gpt_rows:
-            fh.write(json.dumps(r) + "\n")
+    append_jsonl(a.out, matrix + extras + gpt_rows)
 
-    cmd = " ".join(["python benchmarks/memory.py", *(x for x in sys.argv[1:] if x != "--write-readme")])
+    cmd = " ".join(["python -m benchmarks.memory", *(x for x in sys.argv[1:] if x != "--write-readme")])
     text = [f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {elapsed:.0f} s, "
             f"{'CUDA' if torch.cuda.is_available() else '2-core machine, Gloo on CPU'}, "
             f"A = {a.act_mib} MiB, {a.steps} measured step{'s' if a.steps > 1 else ''} after 1 warm-up; MiB per rank, "
@@ -607,14 +585,7 @@ def main() -> None:
     print("\n".join(text))
     print(f"\n({elapsed:.0f} s; JSON lines in {os.path.relpath(a.out, ROOT)})")
     if a.write_readme:
-        readme = os.path.join(HERE, "README.md")
-        with open(readme) as fh:
-            doc = fh.read()
-        if BEGIN not in doc or END not in doc:
-            doc = doc.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
-        head, rest = doc.split(BEGIN, 1)
-        with open(readme, "w") as fh:
-            fh.write(head + BEGIN + "\n" + "\n".join(text) + "\n" + END + rest.split(END, 1)[1])
+        write_readme_block("memory", "\n".join(text))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Where a pipeline step's overhead goes: the cost of one Gloo post, and the engine's per-hop latency.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 8 benchmarks/overhead.py \\
+    python -m torch.distributed.run --standalone --nproc_per_node 8 -m benchmarks.overhead \\
         --schedule 1f1b --microbatches 32
+
+Run from the repository root (the scripts are modules of the ``benchmarks`` package).
 
 Part 1 (ranks 0 and 1, the others wait): how long the call that posts ONE 32 KB send takes on
 rank 0 while rank 1's receive is already posted, three ways: ``dist.batch_isend_irecv`` with one
@@ -22,21 +24,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.sleep_stages import sleep_layers  # noqa: E402
-from pipeengine.engine import PipelineEngine  # noqa: E402
-from pipeengine.schedule import Costs  # noqa: E402
-from pipeengine.topology import Topology  # noqa: E402
+from benchmarks.common import finish_and_exit, init_from_env
+from benchmarks.sleep_stages import sleep_layers
+from pipeengine.runtime.engine import PipelineEngine
+from pipeengine.runtime.topology import Topology
+from pipeengine.schedule import Costs
 
 
 def _median_us(values: list[float]) -> str:
@@ -81,7 +80,7 @@ Records = list[list[list[tuple[str, int, float, float]]]]   # rank -> step -> (k
 
 def _time_python_before_first_op(engine: PipelineEngine, delays: list[float]) -> None:
     """Wrap the engine's batch posting to record, per batch, the seconds of Python before its first op
-    reaches the process group (the engine building the ops, then p2p.py preparing them)."""
+    reaches the process group (the engine building the ops, then the wire, runtime/wire.py, preparing them)."""
     post, issue = engine.wire.post, engine.wire._issue
     start: list[float] = []
 
@@ -169,8 +168,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="measured engine steps (after 2 warm-up steps)")
     p.add_argument("--reps", type=int, default=60, help="posts timed per way and state in part 1")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_from_env()
     if dist.get_world_size() < 2:
         raise SystemExit("run with at least 2 processes, e.g. torchrun --nproc_per_node 8")
     costs = post_costs(args.reps)
@@ -183,10 +181,7 @@ def main() -> None:
         print(f"part 2: our engine, {args.schedule}, pp={dist.get_world_size()}, m={args.microbatches}")
         report(analyse(records))
         print(f"Python before a batch's first op reaches Gloo (rank 0): median {_median_us(delays)} us")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)   # see train.main: torch.distributed's C++ objects sometimes abort at interpreter exit
+    finish_and_exit()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Real models, real compute: our engine against torch.distributed.pipelining, in one run, engines alternating.
 
-    python benchmarks/real.py                      # every configuration below + the README table (~15 min)
-    python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/real.py \\
+    python -m benchmarks.real --all                # every configuration below + the README table (~15 min)
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.real \\
         --model gpt --preset small                 # one configuration (pp = world size / dp)
+
+Run from the repository root (the scripts are modules of the ``benchmarks`` package).
 
 Per configuration every variant is built once, then each round runs one training step of every
 variant, the order rotated by one each round (so no variant always follows the same one), with a
@@ -17,10 +19,11 @@ warm-up round left out), as examples (images, or tokens for GPT) per second. Var
   microbatches (rank 0; rank 1 waits), and the machine bound: both halves of the profile split
   running at once without communication, giving ``single / (slow + fast / m)``, the throughput of a
   pipeline with free transfers on this machine;
-- with dp > 1: ours with the DP all-reduce inside backward (default) and after it
-  (``overlap_grad_sync=False``); the exposed wait for the DP all-reduce at pipeline position 0.
+- with dp > 1: ours with the DP all-reduce inside backward (``overlap_grad_sync=True``, the engine's
+  default on CUDA only) and after it (``overlap_grad_sync=False``, its default on CPU); the exposed
+  wait for the DP all-reduce at pipeline position 0.
 
-Every rank uses one thread and glibc malloc keeps freed memory for reuse (pipeengine/hostalloc.py,
+Every rank uses one thread and glibc malloc keeps freed memory for reuse (pipeengine/runtime/hostalloc.py,
 as the trainer does on CPU). Also printed: the profile partition's predicted step (compute only,
 simulated from the measured layer costs) against its measured step.
 Output: one JSON line per configuration (stdout and --out); ``--all`` runs the set of
@@ -43,22 +46,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import (RESULTS, ROOT, append_jsonl, finish_and_exit, init_from_env, read_jsonl,
+                               torchrun_command, write_readme_block)
+from pipeengine.runtime.engine import PipelineEngine
+from pipeengine.runtime.hostalloc import keep_freed_memory
+from pipeengine.runtime.layers import build_layer, build_layers
+from pipeengine.runtime.planner import partition as split_bounds
+from pipeengine.runtime.topology import Topology
+from pipeengine.training.data import batches
 
-from pipeengine.engine import PipelineEngine  # noqa: E402
-from pipeengine.hostalloc import keep_freed_memory  # noqa: E402
-from pipeengine.layers import build_layer, build_layers  # noqa: E402
-from pipeengine.partition import partition as split_bounds  # noqa: E402
-from pipeengine.topology import Topology  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 # (model, preset, processes, pp, microbatches, micro batch size, timed rounds)
 CONFIGS = [("gpt", "small", 2, 2, 8, 8, 8), ("resnet", "resnet18", 2, 2, 8, 16, 6),
            ("resnet", "resnet50", 2, 2, 8, 8, 4), ("gpt", "small", 4, 2, 8, 8, 4), ("gpt", "small", 4, 4, 8, 8, 4)]
 
 
 def _data(mod: Any, mcfg: Any, dp_rank: int, dp: int, m: int, mbs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    batches = importlib.import_module("pipeengine.models.data").batches
     return list(batches(mod.make_source(mcfg, None), "train", 0, 0, dp_rank, dp, m, mbs))
 
 
@@ -204,7 +206,7 @@ def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
     if ref in times:   # per round, then the median: a slow spell of the machine hits both sides of a pair
         row["vs_torch"] = {n: statistics.median(t / o for t, o in zip(times[ref], times[n]))
                            for n in names if n != "halves at once"}
-    choice = engines["ours profile 1f1b"].partition_choice
+    choice = engines["ours profile 1f1b"].plan.choice
     if choice is not None and "ours profile 1f1b" in med:
         row["predicted_s"] = choice.makespan
         row["predicted_over_measured"] = choice.makespan / med["ours profile 1f1b"]
@@ -264,34 +266,24 @@ def run_all(out: str, table_only: bool = False) -> None:
     rows = []
     for model, preset, procs, pp, m, mbs, rounds in CONFIGS:
         if table_only:
-            with open(out, encoding="utf-8") as fh:
-                found = [r for r in map(json.loads, fh) if (r["model"], r["world"], r["pp"]) == (
-                    f"{model}/{preset}", procs, pp)]
+            key = (f"{model}/{preset}", procs, pp)
+            found = [r for r in read_jsonl(out) if (r["model"], r["world"], r["pp"]) == key]
             rows += found[-1:]
             continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
-               os.path.abspath(__file__), "--model", model, "--preset", preset, "--pp", str(pp), "-m", str(m),
-               "--micro-batch-size", str(mbs), "--rounds", str(rounds), "--out", out]
+        cmd = torchrun_command(procs, "benchmarks.real", [
+            "--model", model, "--preset", preset, "--pp", str(pp), "-m", str(m), "--micro-batch-size", str(mbs),
+            "--rounds", str(rounds), "--out", os.path.abspath(out)])
         print("+", " ".join(cmd[1:]), flush=True)
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode or not lines:
             raise SystemExit(f"{model}/{preset} failed (exit {proc.returncode}):\n{proc.stdout}")
         rows.append(json.loads(lines[-1]))
     took = "" if table_only else f", {time.time() - started:.0f} s"
-    text = (f"Command: `python benchmarks/real.py` ({time.strftime('%Y-%m-%d')}{took}, "
+    text = (f"Command: `python -m benchmarks.real --all` ({time.strftime('%Y-%m-%d')}{took}, "
             f"{os.cpu_count()}-core machine, Gloo on CPU, one thread per rank, one run: ratios are from that run).\n\n"
             + table(rows) + "\n\n" + notes(rows) + "\n")
-    readme = os.path.join(HERE, "README.md")
-    with open(readme, encoding="utf-8") as fh:
-        doc = fh.read()
-    begin, end = "<!-- real:begin -->", "<!-- real:end -->"
-    if begin in doc:
-        doc = doc[:doc.index(begin) + len(begin)] + "\n" + text + doc[doc.index(end):]
-    else:
-        doc += f"\n## Real models\n\n{begin}\n{text}{end}\n"
-    with open(readme, "w", encoding="utf-8") as fh:
-        fh.write(doc)
+    write_readme_block("real", text, heading="Real models")
     print(text)
 
 
@@ -306,28 +298,22 @@ def main() -> None:
     p.add_argument("-m", "--microbatches", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one more warms up)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "real.jsonl"))
+    p.add_argument("--out", default=str(RESULTS / "real.jsonl"))
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DP all-reduce bucket size of our engines (MiB)")
     p.add_argument("--only", nargs="*", help="time only the variants whose names contain one of these")
     a = p.parse_args()
     if a.all or a.table:
         run_all(a.out, table_only=a.table)
         return
-    torch.set_num_threads(1)
     keep_freed_memory()   # as the trainer does on CPU; both engines share the process, so both gain
-    dist.init_process_group("gloo")
+    init_from_env()
     row = run_config(a.model, a.preset, a.pp or dist.get_world_size(), a.microbatches, a.micro_batch_size, a.rounds,
                      a.only, a.bucket_mb)
     if row is not None:
-        line = json.dumps(row)
-        print(line, flush=True)
-        with open(a.out, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
+        print(json.dumps(row), flush=True)
+        append_jsonl(a.out, [row])
         print(table([row]) + "\n" + notes([row]), file=sys.stderr, flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish_and_exit()
 
 
 if __name__ == "__main__":

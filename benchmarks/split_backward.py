@@ -1,29 +1,26 @@
 """Zero-bubble B + W against the fused backward, on GPT blocks (one process, one thread).
 
-    python benchmarks/split_backward.py            # 4 blocks, batch 8, seq 128, width 256 (the issue's case)
-    python benchmarks/split_backward.py --blocks 8 --width 512
-    python benchmarks/split_backward.py --keep-freed-memory   # glibc tuned as the trainer tunes it on CPU
+    python -m benchmarks.split_backward            # 4 blocks, batch 8, seq 128, width 256 (the issue's case)
+    python -m benchmarks.split_backward --blocks 8 --width 512
+    python -m benchmarks.split_backward --keep-freed-memory   # glibc tuned as the trainer tunes it on CPU
 
-A middle pipeline chunk of GPT blocks runs F then either the fused backward or B then W (see
-[Note: split backward] in pipeengine/stage.py), alternating, after two warm-up rounds; printed:
-median milliseconds of each and the ratio (B + W) / fused. 1.0 means W costs only the weight part.
+Run from the repository root. A middle pipeline stage of GPT blocks runs F then either the fused
+backward or B then W (see [Note: split backward] in pipeengine/runtime/backward.py), alternating,
+after two warm-up rounds; printed: median milliseconds of each and the ratio (B + W) / fused. 1.0
+means W costs only the weight part.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pipeengine.hostalloc import keep_freed_memory  # noqa: E402
-from pipeengine.models import gpt  # noqa: E402
-from pipeengine.stage import LayerChain, StageChunk  # noqa: E402
+from pipeengine.models import gpt
+from pipeengine.runtime.hostalloc import keep_freed_memory
+from pipeengine.runtime.stage import LayerChain, Stage
 
 
 def main() -> None:
@@ -34,26 +31,26 @@ def main() -> None:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--keep-freed-memory", action="store_true",
-                   help="tune glibc malloc first, as the trainer does on CPU (pipeengine/hostalloc.py)")
+                   help="tune glibc malloc first, as the trainer does on CPU (pipeengine/runtime/hostalloc.py)")
     a = p.parse_args()
     if a.keep_freed_memory:
         keep_freed_memory()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = gpt.Config(block_size=a.seq, n_layer=a.blocks, n_head=8, n_embd=a.width)
-    chunk = StageChunk(LayerChain([gpt.Block(cfg) for _ in range(a.blocks)], 1), 1, 3, gpt.loss_fn, 1)
+    stage = Stage(LayerChain([gpt.Block(cfg) for _ in range(a.blocks)], 1), 1, 3, gpt.loss_fn, 1)
     x = torch.randn(a.batch, a.seq, a.width)
     gy = torch.randn(a.batch, a.seq, a.width)
     times: dict[str, list[float]] = {"fused": [], "B": [], "W": []}
     for r in range(a.rounds + 2):
         for split in (False, True) if r % 2 else (True, False):
-            chunk.reset()
-            chunk.forward(0, x.clone(), None, True)
+            stage.reset()
+            stage.forward(0, x.clone(), None, True)
             t0 = time.perf_counter()
-            chunk.backward(0, (gy,), split)
+            stage.backward(0, (gy,), split)
             t1 = time.perf_counter()
             if split:
-                chunk.backward_weight(0)
+                stage.backward_weight(0)
             t2 = time.perf_counter()
             if r >= 2:
                 if split:

@@ -113,7 +113,7 @@ def layer_factories(cfg: Config) -> list[Callable[[], nn.Module]]:
 
 def build(cfg: Config, seed: int = 0) -> list[nn.Module]:
     """The single-process model: the factories' layers with head.lm_head.weight IS embedding.wte.weight."""
-    from pipeengine.layers import build_layers
+    from pipeengine.runtime.layers import build_layers
     layers = build_layers(layer_factories(cfg), seed)
     layers[-1].lm_head.weight = layers[0].wte.weight   # type: ignore[union-attr]
     return layers

@@ -89,7 +89,7 @@ def layer_factories(cfg: Config) -> list[Callable[[], nn.Module]]:
 
 def build(cfg: Config, seed: int = 0) -> list[nn.Module]:
     """The single-process model, with the weights the engine builds for the same seed."""
-    from pipeengine.layers import build_layers
+    from pipeengine.runtime.layers import build_layers
     return build_layers(layer_factories(cfg), seed)
 
 

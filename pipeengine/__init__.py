@@ -1,4 +1,9 @@
-"""pipeengine: pipeline-parallel (PP x DP) training for PyTorch with schedules as verified data."""
+"""pipeengine: pipeline-parallel (PP x DP) training for PyTorch with schedules as verified data.
+
+Layers (imports point down): ``training`` (config, trainer, data, checkpoints, reporting) ->
+``runtime`` (topology, plan, engine, stage, wire, gradient sync, faults) -> ``schedule`` (pure
+Python: actions, builders, lowering, the validator, the simulator).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import importlib
 import os
 from typing import Any
 
-__all__ = ["compile_schedule", "simulate", "Costs", "PipelineEngine", "Topology"]
+__all__ = ["PipelineEngine", "Topology", "Plan", "make_plan", "build_schedule", "compile_schedule", "simulate",
+           "Costs"]
 
 # The example models live in the top-level models/ folder and install as pipeengine.models
 # (setup.cfg maps the package there); run from a source tree, find them beside this package.
@@ -14,10 +20,10 @@ _here = os.path.dirname(os.path.abspath(__file__))
 if not os.path.isdir(os.path.join(_here, "models")) and os.path.isfile(os.path.join(_here, "..", "models", "gpt.py")):
     __path__.append(os.path.dirname(_here))  # noqa: F821 - this package's own search path
 
-# Names load on first use: `python -m pipeengine.schedule` must not find its own module imported
-# already, and the schedule tools stay torch-free.
-_LAZY = {"compile_schedule": "schedule", "simulate": "simulate", "Costs": "simulate",
-         "PipelineEngine": "engine", "Topology": "topology"}
+# Names load on first use, so that the schedule tools and ``--help`` stay torch-free.
+_LAZY = {"PipelineEngine": "runtime.engine", "Topology": "runtime.topology", "Plan": "runtime.plan",
+         "make_plan": "runtime.plan", "build_schedule": "schedule", "compile_schedule": "schedule",
+         "simulate": "schedule", "Costs": "schedule"}
 
 
 def __getattr__(name: str) -> Any:

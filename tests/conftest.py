@@ -1,6 +1,38 @@
+"""Shared fixtures: worlds of Gloo ranks kept for the whole session (see harness.WorldPool)."""
+
+from __future__ import annotations
+
 import os
 import sys
+from typing import Iterator
 
-# Tests import the harness as `tests.harness`; make the repo root importable when pytest runs
-# from anywhere.
+import pytest
+
+# Tests import the harness as `tests.harness`; make the repo root importable when pytest runs from anywhere.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.harness import WorldPool  # noqa: E402
+
+
+def _pool(world_size: int) -> Iterator[WorldPool]:
+    pool = WorldPool(world_size)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def world2() -> Iterator[WorldPool]:
+    """Two Gloo ranks, reused by every test that asks (only for calls that leave the group healthy)."""
+    yield from _pool(2)
+
+
+@pytest.fixture(scope="session")
+def world4() -> Iterator[WorldPool]:
+    yield from _pool(4)
+
+
+@pytest.fixture(scope="session")
+def world8() -> Iterator[WorldPool]:
+    yield from _pool(8)

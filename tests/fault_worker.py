@@ -38,9 +38,9 @@ def main() -> int:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    from pipeengine.engine import PipelineEngine
-    from pipeengine.faults import PeerFailed, WaitTimeout
-    from pipeengine.topology import Topology
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.faults import PeerFailed, WaitTimeout
+    from pipeengine.runtime.topology import Topology
     layers = [Boom(scenario) if i == 1 else nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for i in range(world)]
     engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
                             topology=Topology(world, 1), microbatches=4, partition="uniform",

@@ -1,19 +1,30 @@
-"""Spawn N Gloo ranks on CPU for a test, with a free port and a hard timeout."""
+"""Running code on N Gloo ranks for a test: fresh processes, or a pool of worlds kept for the session.
+
+Both start each rank with ``torch.set_num_threads(1)`` on a free port, give every call a hard
+deadline (a deadlock fails the test, it never hangs the suite) and return the ranks' results.
+"""
 
 from __future__ import annotations
 
 import io
 import os
 import socket
+import subprocess
+import sys
+import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["free_port", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job", "start_pipe_sh_job", "python_cli",
+           "ROOT"]
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -23,30 +34,73 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           queue: Any, pg_timeout: float) -> None:
+def _init(rank: int, world_size: int, port: int, pg_timeout: float) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+
+
+def _call(rank: int, world_size: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
+    """Run one task; its result by value (torch's queue would share tensor storage through a file
+    descriptor that dies with this process, racing the parent's read), or its traceback."""
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
         result = fn(rank, world_size, *args)
-        # by value: torch's queue would share tensor storage through a file descriptor that dies
-        # with this process, racing the parent's read
         buf = io.BytesIO()
         torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException as exc:  # report every failure to the parent, then re-raise
+        return "ok", buf.getvalue()
+    except BaseException as exc:
+        return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+           queue: Any, pg_timeout: float) -> None:
+    try:
+        _init(rank, world_size, port, pg_timeout)
+        queue.put((rank, *_call(rank, world_size, fn, args)))
+    except BaseException as exc:  # report every failure to the parent
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _collect(queue: Any, procs: list[Any], world_size: int, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    results: dict[int, tuple[str, Any]] = {}
+    while len(results) < world_size:
+        if not queue.empty():
+            rank, status, value = queue.get()
+            results[rank] = (status, value)
+            continue
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(results))
+            errors = {r: v for r, (s, v) in results.items() if s == "error"}
+            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s; errors from other ranks: "
+                               f"{errors}")
+        if all(not p.is_alive() for p in procs) and queue.empty():
+            missing = sorted(set(range(world_size)) - set(results))
+            raise RuntimeError(f"ranks {missing} died without reporting (exit codes {[p.exitcode for p in procs]})")
+        time.sleep(0.01)
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors:
+        raise RuntimeError("\n".join(f"--- rank {r} failed ---\n{v}" for r, v in sorted(errors.items())))
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def _stop(procs: list[Any], grace: float = 5.0) -> None:
+    for p in procs:
+        p.join(timeout=grace)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0,
                     pg_timeout: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh Gloo ranks; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled). Raises ``RuntimeError`` with every
     failing rank's traceback if any rank fails, and ``TimeoutError`` if the ranks do not all
@@ -55,35 +109,114 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, pg_timeout),
-                         daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, pg_timeout), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
-    import time
-    deadline = time.monotonic() + timeout
-    results: dict[int, tuple[str, Any]] = {}
     try:
-        while len(results) < world_size:
-            if not queue.empty():
-                rank, status, value = queue.get()
-                results[rank] = (status, value)
-                continue
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(results))
-                errors = {r: v for r, (s, v) in results.items() if s == "error"}
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s; "
-                                   f"errors from other ranks: {errors}")
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                missing = sorted(set(range(world_size)) - set(results))
-                raise RuntimeError(f"ranks {missing} died without reporting (exit codes "
-                                   f"{[p.exitcode for p in procs]})")
-            time.sleep(0.02)
+        return _collect(queue, procs, world_size, timeout)
     finally:
-        for p in procs:
-            p.join(timeout=5)
+        _stop(procs)
+
+
+def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, pg_timeout: float) -> None:
+    try:
+        _init(rank, world_size, port, pg_timeout)
+    except BaseException as exc:
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        results.put((rank, *_call(rank, world_size, fn, args)))
+    os._exit(0)   # no teardown of the group: the peers are leaving too, and Gloo's would wait for them
+
+
+class WorldPool:
+    """``world_size`` Gloo ranks started once and reused for many calls (spawning is the slow part on 2 cores).
+
+    Only for code that leaves the process group healthy: a call that fails or times out on any rank
+    closes the pool (its ranks may be stuck in a collective, and the fault channel would carry the
+    failure into the next call); the next call starts a fresh one.
+    """
+
+    def __init__(self, world_size: int, pg_timeout: float = 60.0) -> None:
+        self.world_size = world_size
+        self.pg_timeout = pg_timeout
+        self._procs: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.SimpleQueue()
+        self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        port = free_port()
+        self._procs = [ctx.Process(target=_serve, args=(r, self.world_size, port, self._tasks[r], self._results,
+                                                        self.pg_timeout), daemon=True)
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on every rank of the pool; the results by rank (as run_distributed)."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args))
+        try:
+            return _collect(self._results, self._procs, self.world_size, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p, q in zip(self._procs, getattr(self, "_tasks", [])):
             if p.is_alive():
-                p.kill()
-    errors = {r: v for r, (s, v) in results.items() if s == "error"}
-    if errors:
-        raise RuntimeError("\n".join(f"--- rank {r} failed ---\n{v}" for r, v in sorted(errors.items())))
-    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
+                q.put(None)
+        _stop(self._procs, grace=2.0)
+        self._procs = []
+
+
+def pipe_sh(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``launch/pipe.sh args...`` as given (usage, argument checks)."""
+    return subprocess.run(["bash", str(ROOT / "launch" / "pipe.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, **(env or {})), cwd=cwd)
+
+
+def _job(tmp_path: Path, n: int, flags: tuple[str, ...],
+         env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="0", **(env or {}))
+    cmd = ["bash", str(ROOT / "launch" / "pipe.sh"), str(n), "cpus", "--log-dir", str(tmp_path), "--run-name", "run",
+           *flags]
+    return cmd, full_env
+
+
+def pipe_sh_job(tmp_path: Path, n: int, *flags: str, timeout: float = 240, env: dict[str, str] | None = None,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+    """The training job as a user runs it: ``launch/pipe.sh n cpus --log-dir tmp_path --run-name run flags...``."""
+    cmd, full_env = _job(tmp_path, n, flags, env)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def start_pipe_sh_job(tmp_path: Path, n: int, *flags: str, env: dict[str, str] | None = None,
+                      merge_stderr: bool = False) -> subprocess.Popen[str]:
+    """:func:`pipe_sh_job` started in its own session, to be signalled (``os.killpg(proc.pid, ...)``)."""
+    cmd, full_env = _job(tmp_path, n, flags, env)
+    return subprocess.Popen(cmd, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def python_cli(*args: str, code: str | None = None, timeout: float = 120,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m args...`` (or ``python -c code args...``) from the repository root."""
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", *args]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

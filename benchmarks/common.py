@@ -1,0 +1,134 @@
+"""What the benchmark scripts share: paths, process groups, timed steps, JSON lines, README blocks, result tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, NoReturn
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ROOT", "HERE", "README", "RESULTS", "torchrun_command", "free_port", "init_from_env", "finish_and_exit",
+           "timed_steps", "mean_loss", "append_jsonl", "read_jsonl", "write_readme_block", "efficiency_table",
+           "describe_real"]
+
+ROOT = Path(__file__).resolve().parent.parent      # the repository root: scripts run from here, as ``-m benchmarks.X``
+HERE = ROOT / "benchmarks"
+README = HERE / "README.md"
+RESULTS = HERE / "results"
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+def torchrun_command(nproc: int, module: str, args: Iterable[str]) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node N -m benchmarks.X ...`` (run with cwd=ROOT)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", module, *args]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_from_env(backend: str = "gloo", timeout: float | None = None) -> None:
+    """One thread per rank, then the process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
+    torch.set_num_threads(1)
+    if timeout is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+
+def finish_and_exit() -> NoReturn:
+    """Barrier, tear the group down, flush, ``os._exit(0)``.
+
+    The barrier keeps any rank from tearing the group down while another still uses it. ``os._exit``
+    because torch.distributed's C++ objects (store, Gloo threads) sometimes abort at interpreter exit
+    (see pipeengine/training/cli.py).
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+def timed_steps(run_step: Callable[[], Any], steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``run_step``, every one between barriers (all ranks take part)."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run_step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def mean_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
+    """The synthetic models' loss: the output's mean (targets unused)."""
+    return out.float().mean()
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+def append_jsonl(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> None:
+    """Append one JSON line per row to ``path`` (its folder is created if missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def write_readme_block(name: str, text: str, heading: str | None = None) -> None:
+    """Replace what benchmarks/README.md holds between ``<!-- name:begin -->`` and ``<!-- name:end -->``
+    with ``text``; if the markers are missing, append them (under ``## heading`` if given)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    doc = README.read_text(encoding="utf-8") if README.exists() else "# Benchmarks\n"
+    if begin not in doc or end not in doc:
+        doc = doc.rstrip("\n") + "\n\n" + (f"## {heading}\n\n" if heading else "") + f"{begin}\n{end}\n"
+    head, rest = doc.split(begin, 1)
+    README.write_text(head + begin + "\n" + text.rstrip("\n") + "\n" + end + rest.split(end, 1)[1], encoding="utf-8")
+
+
+def efficiency_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of efficiency.py's sleep-mode rows (printed by it, written to the README by sweep.py)."""
+    head = ("| schedule | pp | m | ideal (s) | ours (s) | ours eff. | ours eff. (measured costs) | ovh/action (ms) | "
+            "torch (s) | torch eff. | ours/torch throughput |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        def f(key: str, fmt: str = "{:.3f}") -> str:
+            return fmt.format(r[key]) if key in r else "n/a"
+        lines.append(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['ideal_s']:.3f} | "
+                     f"{f('ours_median_s')} | {f('ours_efficiency')} | {f('ours_efficiency_vs_measured_costs')} | "
+                     f"{f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
+                     f"{f('torch_efficiency')} | {f('ratio_ours_over_torch', '{:.2f}x')} |")
+    return "\n".join(lines)
+
+
+def describe_real(r: dict[str, Any]) -> str:
+    """One sentence for efficiency.py's real-mode row (printed by it, written to the README by sweep.py)."""
+    return (f"Real compute (MLP {r['depth']} x {r['hidden']}, global batch {r['global_batch']}, "
+            f"{r['microbatches']} microbatches): single process {r['single_s']:.3f} s/step, pp=2 "
+            f"{r['pp2_s']:.3f} s/step, speedup {r['speedup']:.2f} of ideal {r['ideal_speedup']:.2f} "
+            f"(ratio {r['ratio_to_ideal']:.3f}). What this machine allows: the slower half alone "
+            f"{r['half_alone_s']:.3f} s, with the other half running at once {r['halves_together_s']:.3f} s "
+            f"(x{r['slowdown_together']:.2f}), so a free pipeline would reach {r['machine_bound_speedup']:.2f} "
+            f"({r['machine_bound_speedup'] / r['ideal_speedup']:.3f} of ideal); ours is "
+            f"{r['ratio_to_machine_bound']:.3f} of that.")

@@ -1,0 +1,60 @@
+"""Agreeing across ranks before anyone goes on: an error met on one rank is raised on every rank.
+
+A check that fails on one rank only (a local path, host memory, a bad value read from a file) must
+not leave the other ranks waiting in the next collective: each place that can fail locally runs
+through one of these, which gather every rank's outcome in one collective first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["raise_if_any", "on_every_rank", "decided_by_rank0"]
+
+T = TypeVar("T")
+
+
+class _Failed(NamedTuple):
+    message: str
+
+
+def raise_if_any(error: str | None, raise_as: Callable[[str], BaseException] = ValueError, group: Any = None) -> None:
+    """Raise the first rank's ``error`` (None: none on this rank) as ``raise_as`` on every rank of ``group``."""
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise raise_as(first)
+
+
+def on_every_rank(fn: Callable[[], T], *, catch: tuple[type[BaseException], ...] = (ValueError,),
+                  raise_as: Callable[[str], BaseException] = ValueError,
+                  describe: Callable[[BaseException], str] = str, group: Any = None) -> T:
+    """``fn()`` on every rank; this rank's result. If ``fn`` raised one of ``catch`` on any rank, every rank
+    raises ``raise_as(describe(the first rank's error))`` instead (one all-gather of the outcomes)."""
+    result: Any = None
+    error = None
+    try:
+        result = fn()
+    except catch as exc:
+        error = describe(exc) or type(exc).__name__
+    raise_if_any(error, raise_as, group)
+    return result   # type: ignore[no-any-return]
+
+
+def decided_by_rank0(fn: Callable[[], T], *, catch: tuple[type[BaseException], ...] = (ValueError,),
+                     raise_as: Callable[[str], BaseException] = ValueError, group: Any = None) -> T:
+    """``fn()`` on the group's first rank only; its result on every rank, or its error raised on every rank."""
+    answer: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            answer[0] = fn()
+        except catch as exc:
+            answer[0] = _Failed(str(exc))
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(answer, src=src, group=group)
+    if isinstance(answer[0], _Failed):
+        raise raise_as(answer[0].message)
+    return answer[0]   # type: ignore[no-any-return]

@@ -1,0 +1,155 @@
+"""Split backward for zero-bubble schedules: B computes input gradients only, W only the weight gradients.
+
+[Note: split backward]
+Zero-bubble schedules split backward into B (gradients of the stage's inputs only) and W
+(gradients of the parameters). W must cost only the weight part, so it must not run the
+input path again. Before B, the stage's graph is walked once (:func:`weight_groups`): for each
+parameter, the *branch nodes* are the first nodes on the input path (between the stage's inputs
+and its outputs) that its gradient flows through, e.g. the ``AddmmBackward`` of a Linear whose
+other operand came from the input. B runs with ``inputs=`` the stage's inputs (autograd then
+computes no weight branch at all) and a pre-hook on every branch node keeps the gradient
+arriving there. W starts from those nodes with the kept gradients and ``inputs=`` the parameters
+of one group (parameters sharing a branch node), so autograd computes only ``dW``; the same
+node functions with the same incoming gradients as one fused backward, so the gradients are
+equal bit for bit. When a group has several branch nodes, one downstream of the other, pre-hooks
+pin each node's incoming gradient to the kept one so nothing is counted twice.
+
+Not covered this way, so W runs from the roots again (cost b + w): parameters whose gradient
+reaches the outputs without crossing the input path, the first stage (its inputs need no
+gradient: B is empty and W is the whole backward), and recomputed stages (every separate
+backward pass recomputes a region, so one pass over the roots is cheaper than one per group).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightGroup", "weight_groups", "run_backward", "backward_keeping", "backward_weights"]
+
+Tensors = tuple[torch.Tensor, ...]
+Grads = tuple[torch.Tensor | None, ...]
+
+
+def run_backward(roots: Any, grads: Tensors, inputs: Tensors, keep_graph: bool) -> None:
+    """Autograd's engine called directly: the roots' data may have been freed (see [Note: free at the
+    earliest point] in stage.py), so ``torch.autograd.backward``'s shape check cannot be used."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        roots, grads, keep_graph, False, inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """The autograd node of ``t``: its grad_fn, or the AccumulateGrad of a leaf."""
+    if t.grad_fn is not None or not t.requires_grad:
+        return t.grad_fn
+    with torch.enable_grad():
+        view = t.view_as(t).grad_fn
+        return view.next_functions[0][0] if view is not None else None
+
+
+@dataclass
+class WeightGroup:
+    """Parameters whose gradients leave the input path at the same branch nodes (see [Note: split backward])."""
+
+    nodes: list[Node]
+    params: list[torch.Tensor]
+    grads: dict[int, Grads] = field(default_factory=dict)   # node index -> the gradients kept in B
+
+
+def _consumers(roots: Tensors) -> dict[Node, list[Node]]:
+    """Node -> the nodes that feed gradient into it, over the graph reachable from ``roots``."""
+    consumers: dict[Node, list[Node]] = {}
+    stack = [n for n in map(_grad_node, roots) if n is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                consumers.setdefault(nxt, []).append(node)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+    return consumers
+
+
+def _downstream(starts: list[Node], consumers: dict[Node, list[Node]]) -> set[Node]:
+    """Every node between ``starts`` and the roots (``starts`` excluded)."""
+    found: set[Node] = set()
+    stack = list(starts)
+    while stack:
+        for c in consumers.get(stack.pop(), ()):
+            if c not in found:
+                found.add(c)
+                stack.append(c)
+    return found
+
+
+def weight_groups(roots: Tensors, inputs: Tensors, params: Tensors) -> tuple[list[WeightGroup], list[torch.Tensor]]:
+    """Group ``params`` by the branch nodes where their gradients leave the input path; also return the
+    parameters with a gradient that never crosses the input path (W must run from the roots for them)."""
+    consumers = _consumers(roots)
+    on_path = _downstream([n for n in map(_grad_node, inputs) if n is not None], consumers)
+    root_nodes = set(map(_grad_node, roots))
+    groups: dict[Node, WeightGroup] = {}
+    elsewhere: list[torch.Tensor] = []
+    for p in params:
+        start = _grad_node(p)
+        if start is None or start not in consumers:
+            continue   # no gradient in this microbatch
+        branch: set[Node] = set()
+        walked, stack = {start}, [start]
+        while stack:
+            for c in consumers.get(stack.pop(), ()):
+                if c in on_path:
+                    branch.add(c)
+                elif c not in walked:
+                    walked.add(c)
+                    stack.append(c)
+        if not branch or walked & root_nodes:
+            elsewhere.append(p)
+            continue
+        group = WeightGroup(sorted(branch, key=id), [p])
+        for g in {id(g): g for n in branch if (g := groups.get(n)) is not None}.values():
+            group.params += g.params
+            group.nodes = list({id(n): n for n in group.nodes + g.nodes}.values())
+        for n in group.nodes:
+            groups[n] = group
+    return list({id(g): g for g in groups.values()}.values()), elsewhere
+
+
+def _keep(store: dict[int, Grads], i: int, grads: Grads) -> None:
+    store[i] = grads
+
+
+def _pin(grads: Grads, _incoming: Grads) -> Any:
+    return grads
+
+
+def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: list[WeightGroup]) -> None:
+    """B of a split backward: the inputs' gradients, keeping what arrives at every group's branch nodes."""
+    handles = [n.register_prehook(functools.partial(_keep, g.grads, i)) for g in groups for i, n in enumerate(g.nodes)]
+    try:
+        run_backward(roots, grads, inputs, keep_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def backward_weights(groups: list[WeightGroup]) -> None:
+    """W of a split backward: every group's weight gradients from its kept branch gradients."""
+    for group in groups:
+        edges = [(GradientEdge(n, k), g) for i, n in enumerate(group.nodes)
+                 for k, g in enumerate(group.grads.get(i, ())) if g is not None]
+        if not edges:
+            continue
+        pins = [n.register_prehook(functools.partial(_pin, group.grads[i]))
+                for i, n in enumerate(group.nodes) if len(group.nodes) > 1 and i in group.grads]
+        try:
+            run_backward(tuple(e for e, _ in edges), tuple(g for _, g in edges), tuple(group.params), keep_graph=True)
+        finally:
+            for h in pins:
+                h.remove()

@@ -1,0 +1,76 @@
+"""The collectives that end a step: one all-reduce over the pipeline, and the loss averaged over replicas.
+
+[Note: the end of a step]
+The DP all-reduce of a rank's gradients is posted bucket by bucket, asynchronously: on CUDA from
+inside the backward that finalises each bucket (grad_sync.py), elsewhere right after the last
+backward (B or W) in the rank's program, so it overlaps the cooldown of the other positions; it is
+awaited after the program ends. Tied copies are then summed over their tie group. One all-reduce
+over the pipeline then carries the squared gradient norm (once per logical parameter), the loss
+and, per stage, whether its outputs or gradients went non-finite (numerics.SignalVector); the loss
+is averaged over the replicas. Every rank thus takes the same decision: step, skip
+(``on_nonfinite="skip"``: parameters, optimizer state and buffers unchanged) or raise
+``NonFiniteError`` naming the first stage that went non-finite (``"stop"``). Every wait is timed
+and watched (faults.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .grad_sync import grad_sq_norm
+from .numerics import SignalVector, StepSignals
+from .stage import Stage
+from .topology import ProcessGroups, Topology
+
+__all__ = ["Consensus"]
+
+Wait = Callable[[Any, str, Sequence[int]], None]
+
+
+class Consensus:
+    """This rank's part in the end-of-step collectives (see the module note)."""
+
+    def __init__(self, topology: Topology, rank: int, groups: ProcessGroups, num_stages: int, device: torch.device,
+                 wait: Wait) -> None:
+        self.topology, self.groups, self.num_stages, self.device, self.wait = topology, groups, num_stages, device, wait
+        position, replica = topology.position_of(rank), topology.replica_of(rank)
+        self.last_rank = topology.rank(topology.pp - 1, replica)
+        self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
+        self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
+
+    def signals(self, stages: Sequence[Stage], stage_params: Sequence[Sequence[nn.Parameter]],
+                skips: Sequence[bool], norm_skip: set[int]) -> StepSignals:
+        """Gradient norm, loss and non-finite flags of the whole pipeline: one all-reduce over it."""
+        vec = SignalVector(self.num_stages, self.device)
+        for st, params, skip in zip(stages, stage_params, skips):
+            sq = grad_sq_norm(params)
+            vec.add_grad_sq(grad_sq_norm(params, norm_skip) if skip else sq)
+            vec.add_stage(st.index, st.nonfinite, (~torch.isfinite(sq)).double())
+        if stages[-1].is_last:
+            vec.set_loss(torch.stack(stages[-1].losses).double().sum())
+        if self.topology.pp > 1:
+            self.wait(dist.all_reduce(vec.tensor, group=self.groups.pp_group, async_op=True),
+                      "the end-of-step all-reduce", self.pp_peers)
+        return vec.decode()
+
+    def mean_over_replicas(self, replica_loss: float) -> float:
+        if self.topology.dp == 1:
+            return replica_loss
+        value = torch.tensor(replica_loss, dtype=torch.float64, device=self.device)
+        self.wait(dist.all_reduce(value, group=self.groups.dp_group, async_op=True), "the loss all-reduce",
+                  self.dp_peers)
+        return float(value) / self.topology.dp
+
+    def eval_loss(self, last: Stage) -> float:
+        """Mean loss of an eval step on every rank: summed on the last stage, shared, averaged over DP."""
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if last.is_last:
+            value += sum(float(x) for x in last.losses)
+        if self.topology.pp > 1:
+            self.wait(dist.broadcast(value, src=self.last_rank, group=self.groups.pp_group, async_op=True),
+                      "the loss broadcast", self.pp_peers)
+        return self.mean_over_replicas(float(value))

@@ -1,0 +1,399 @@
+"""PipelineEngine: train and evaluate a layer list over PP x DP ranks by interpreting a proven plan.
+
+The engine knows no schedule. It takes a :class:`~pipeengine.runtime.plan.Plan` (or makes one:
+plan.py) and interprets its own position's program step by step: a compute step runs F, B or W on
+one of its stages (stage.py), a comm step goes to the wire as it is (wire.py). 1F1B, GPipe,
+interleaved and zero-bubble differ only in data.
+
+The end of a step is consensus.py's ([Note: the end of a step]).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedule import Action, Costs, Kind, Schedule, Step
+from .clock import ActionClock, ActionRecord, Phase
+from .faults import adaptive_timeout, watch
+from .consensus import Consensus
+from .device import default_device
+from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, final_gradients
+from .layers import LayerSpec
+from .local import LocalModel
+from .numerics import LossScale, NonFiniteError, nonfinite_message
+from .options import STARTUP_TIMEOUT, check_engine_arguments
+from .plan import Plan, make_plan
+from .stage import LayerChain, Stage
+from .state import EngineState, TensorInfo
+from .tensors import to_device
+from .topology import Topology
+from .wire import Wire
+
+__all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
+
+
+@dataclass
+class StepResult:
+    """What one train/eval step produced on this rank (loss and grad norm are global)."""
+
+    loss: float
+    grad_norm: float | None = None
+    step_time: float = 0.0
+    records: list[ActionRecord] = field(default_factory=list)
+    peak_stored: dict[int, int] = field(default_factory=dict)   # stage -> peak microbatches held
+    outputs: list[Any] | None = None                            # eval on the last stage, if asked
+    skipped: bool = False                                       # no optimizer step (non-finite, see below)
+    nonfinite: bool = False                                     # the loss or gradients were non-finite
+    grad_sync_wait: float = 0.0                                 # seconds waiting for the DP all-reduce
+
+
+@dataclass
+class _StepState:
+    """One train or eval step in progress on this rank."""
+
+    train: bool
+    keep_outputs: bool
+    inputs: list[Any]
+    targets: list[Any]
+    local: dict[tuple[Kind, int, int], Any] = field(default_factory=dict)  # pp = 1: stage output -> next stage
+
+
+class PipelineEngine:
+    """Pipeline-parallel x data-parallel training of an ordered list of layers.
+
+    Args:
+        layers: the whole model as an ordered list, run as ``nn.Sequential(*layers)`` runs it (one
+            argument per layer; a tuple stays a tuple). Either built modules (every rank builds the
+            same list; each keeps only its stages) or zero-argument factories, of which each rank
+            calls only its own stages' (see layers.py: a model too big for one device).
+        loss_fn: ``loss_fn(output, target) -> scalar`` with mean reduction over the microbatch.
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer`` for this rank's parameters.
+        topology: the PP x DP grid (default: all ranks in one pipeline).
+        plan: a :class:`Plan` made with :func:`make_plan`; without one, the engine makes it from the
+            planning arguments ``schedule`` (a name: gpipe, 1f1b, interleaved-1f1b, zb-h1; or a compiled
+            :class:`Schedule`), ``microbatches`` (per step and replica), ``chunks`` (stages per position),
+            ``partition`` ("profile", "parameters", "uniform" or explicit bounds), ``sample``,
+            ``memory_cap`` and ``costs``: plan.py's :func:`make_plan` documents each.
+        tied: groups of ``(layer index, parameter name)`` that are one logical parameter; the first
+            entry's value wins at the start.
+        grad_clip: clip the global gradient norm to this value (None: only measure it).
+        seed: factories build layer i under ``layer_seed(seed, i)``.
+        recompute: activation recompute per stage: "none", "full" or "every:K" (layers per region).
+        precision: "fp32", "bf16" (autocast, bf16 activations between stages, fp32 parameters,
+            gradients and optimizer state) or "fp16" (the same with a dynamic loss scale, CUDA only).
+        wire: "tags" (Gloo default) or "strict" (NCCL's per-peer order emulated on Gloo), see wire.py.
+        timeout: seconds any wait may take (default None: 600 s until the first step was timed,
+            then max(60 s, 20 x the median step)); see faults.py for what happens then.
+        on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or
+            "skip" (no update for that step; counted in ``skipped_steps``).
+        bucket_mb: MiB of gradients per data-parallel all-reduce bucket.
+        overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its
+            gradients (grad_sync.py); False posts them all after the rank's last backward. Default
+            None: on CUDA only (see [Note: gradient all-reduce inside backward] for why not on CPU).
+    """
+
+    def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+                 topology: Topology | None = None, plan: Plan | None = None, schedule: str | Schedule = "1f1b",
+                 microbatches: int = 4, chunks: int = 1, partition: str | Sequence[int] = "parameters",
+                 sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, costs: Costs | None = None,
+                 tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
+                 device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
+                 bucket_mb: float = 25.0, seed: int = 0, recompute: str = "none", precision: str = "fp32",
+                 wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
+                               "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
+        check_engine_arguments(layers, loss_fn, optimizer, precision, recompute, wire, on_nonfinite, timeout,
+                               grad_clip)
+        self._place(topology, device)
+        if plan is not None and (plan.schedule.pp != self.topology.pp or plan.num_layers != len(layers)):
+            raise ValueError(f"the plan is for pp={plan.schedule.pp} and {plan.num_layers} layers, but the topology "
+                             f"has pp={self.topology.pp} and the model {len(layers)} layers")
+        if precision == "fp16" and self.device.type != "cuda":
+            raise ValueError("precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU")
+        self.precision, self.on_nonfinite, self.grad_clip = precision, on_nonfinite, grad_clip
+        self.watch = watch()
+        self._fixed_timeout = timeout
+        self.watch.timeout = timeout or STARTUP_TIMEOUT
+        self.plan = plan or make_plan(
+            layers, self.topology.pp, schedule=schedule, microbatches=microbatches, chunks=chunks,
+            partition=partition, costs=costs, sample=sample, memory_cap=memory_cap, seed=seed, precision=precision,
+            loss_fn=loss_fn, device=self.device, validate_schedule=validate_schedule)
+        self.schedule, self.microbatches = self.plan.schedule, self.plan.schedule.microbatches
+        self.loss_fn = loss_fn
+        self._build(layers, tied, seed, recompute)
+        self.optimizer = optimizer(self.parameters)
+        self._setup_sync(bucket_mb, overlap_grad_sync)
+        self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
+                         self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
+        self.clock = ActionClock(self.rank, self.device)
+        self.program: list[Step] = self.schedule.programs[self.position]
+        self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
+        backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
+        self._last_backward = backward[-1] if backward else -1
+        # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
+        self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
+                                        self.schedule.split_backward)
+                        if self.grad_sync.overlap and self.topology.dp > 1 else {})
+        self.needs_data = any(s.is_first or s.is_last for s in self.stages)
+        self.loss_scale = LossScale(precision == "fp16")
+        self.step_count = 0       # optimizer steps taken (restored from a checkpoint)
+        self.skipped_steps = 0
+        self._step_times: list[float] = []
+        self._steps_run = 0       # steps run by this engine object (the first is start-up)
+        self._state = EngineState(self)
+
+    # ------------------------------------------------------------------ setup
+
+    def _place(self, topology: Topology | None, device: torch.device | None) -> None:
+        world = dist.get_world_size()
+        self.topology = topology or Topology.from_world(world)
+        if self.topology.world_size != world:
+            raise ValueError(f"topology pp={self.topology.pp} x dp={self.topology.dp} = "
+                             f"{self.topology.world_size} ranks, but the world has {world}")
+        self.rank = dist.get_rank()
+        self.position = self.topology.position_of(self.rank)
+        self.replica = self.topology.replica_of(self.rank)
+        self.device = device or default_device()
+
+    def _build(self, specs: Sequence[LayerSpec], tied: Sequence[Sequence[tuple[int, str]]], seed: int,
+               recompute: str) -> None:
+        def make_stage(module: LayerChain, index: int) -> Stage:
+            return Stage(module, index, self.plan.num_stages, self.loss_fn, self.microbatches, recompute,
+                         self.precision)
+        self.local = LocalModel(self.plan, specs, self.topology, self.rank, tied, seed, self.device, make_stage)
+        self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties
+        self.groups = self.local.groups
+
+    def _setup_sync(self, bucket_mb: float, overlap: bool | None) -> None:
+        self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages, self.device, self._wait)
+        self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, self.watch,
+                                  self.consensus.dp_peers, bucket_mb,
+                                  self.device.type == "cuda" if overlap is None else overlap)
+
+    def _global(self, position: int) -> int:
+        return self.topology.rank(position, self.replica)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def bounds(self) -> list[int]:
+        """Stage s holds layers ``bounds[s]`` .. ``bounds[s + 1] - 1``."""
+        return list(self.plan.bounds)
+
+    @property
+    def num_layers(self) -> int:
+        return self.plan.num_layers
+
+    @property
+    def peak_stored(self) -> dict[int, int]:
+        """Stage -> most microbatches whose activations were held at once in the last step."""
+        return {st.index: st.peak_stored for st in self.stages}
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of every parameter group from the next step on."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state keyed by global names (see state.py): model, optimizer, counters, RNG."""
+        return self._state.state_dict()
+
+    def loadable_state_dict(self, saved: Mapping[str, TensorInfo | None], restore_rng: bool = False) -> dict[str, Any]:
+        """The entries of a saved state (``saved``: key -> (shape, dtype)) this rank loads, as tensors to fill
+        in place; then :meth:`load_state_dict` them (see state.py)."""
+        return self._state.template(saved, restore_rng)
+
+    def load_state_dict(self, state: Mapping[str, Any], fp16_scale: bool = False) -> None:
+        """Take a filled :meth:`loadable_state_dict`: optimizer state, counters and RNG (the model entries
+        were filled in place). ``fp16_scale``: continue the saved fp16 loss scale."""
+        self._state.load_state_dict(state, fp16_scale)
+
+    def train_batch(self, data_iter: Iterator[Any] | None) -> StepResult:
+        """One optimizer step over ``microbatches`` microbatches per replica; returns the global mean loss.
+
+        ``data_iter`` yields ``(inputs, target)`` microbatches; only ranks holding the first or last
+        stage read it (inputs on the first, targets on the last), others may pass None. An exception
+        on any rank ends the step on every rank (faults.py); see [Note: the end of a step].
+        """
+        try:
+            result = self._train_batch(data_iter)
+        except BaseException as exc:
+            self.watch.report(exc)
+            raise
+        self._steps_run += 1
+        if self._fixed_timeout is None and self._steps_run > 1:   # the first step (start-up) does not count
+            self._step_times = (self._step_times + [result.step_time])[-50:]
+            self.watch.timeout = adaptive_timeout(self._step_times)
+        return result
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator[Any] | None, return_outputs: bool = False) -> StepResult:
+        """Forward only over ``microbatches`` microbatches; global mean loss on every rank.
+
+        With ``return_outputs`` the last stage's rank gets the model outputs per microbatch.
+        """
+        for st in self.stages:
+            st.module.eval()
+        try:
+            result = self._run(self.eval_program, data_iter, train=False, keep_outputs=return_outputs)
+            result.loss = self.consensus.eval_loss(self.stages[-1])
+        except BaseException as exc:
+            self.watch.report(exc)
+            raise
+        if return_outputs and self.stages[-1].is_last:
+            result.outputs = [self.stages[-1].outputs[k] for k in sorted(self.stages[-1].outputs)]
+        result.records = self.clock.records()
+        result.step_time = self.clock.elapsed(self.clock.mark())
+        return result
+
+    # ------------------------------------------------------------------ a training step
+
+    def _train_batch(self, data_iter: Iterator[Any] | None) -> StepResult:
+        for st in self.stages:
+            st.module.train()
+            st.loss_scale = self.loss_scale.value
+        if not self.grad_sync.prepare():
+            self.optimizer.zero_grad(set_to_none=True)
+        buffers = self.local.saved_buffers() if self.on_nonfinite == "skip" else []
+        result = self._run(self.program, data_iter, train=True, keep_outputs=False)
+        sync_start = self.clock.mark()
+        self.watch.doing = "the end-of-step gradient sync"
+        self.grad_sync.finish()
+        synced = self.clock.mark()
+        self.ties.sum_grads(lambda work, peers: self._wait(work, "the tied-gradient sum", peers))
+        self.loss_scale.unscale(self.parameters)
+        self._decide(result)
+        if result.skipped:
+            self.skipped_steps += result.nonfinite
+            self.local.restore_buffers(buffers)
+        else:
+            clip_grad_norm(self.parameters, self.grad_clip, result.grad_norm or 0.0)
+            self.optimizer.step()
+        if self.topology.dp > 1 and self.local.buffers:
+            broadcast_buffers(self.local.buffers, self.topology.rank(self.position, 0), self.groups.dp_group,
+                              lambda w: self._wait(w, "the buffer broadcast", self.consensus.dp_peers))
+        self.clock.add(self.stages[0].index, Phase.SYNC, -1, sync_start, self.clock.mark())
+        result.records = self.clock.records()
+        result.step_time = max(r.end for r in result.records)
+        result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
+        self.step_count += 1
+        return result
+
+    def _decide(self, result: StepResult) -> None:
+        """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""
+        signals = self.consensus.signals(self.stages, self.local.stage_params, self.local.stage_skips,
+                                         self.ties.norm_skip)
+        result.grad_norm = math.sqrt(signals.grad_sq)
+        result.loss = self.consensus.mean_over_replicas(signals.loss)
+        overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
+        result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
+        if result.nonfinite and self.on_nonfinite == "stop":
+            raise NonFiniteError(nonfinite_message(
+                self.step_count, signals, result.grad_norm, self.replica,
+                lambda s: f"layers {self.plan.bounds[s]}..{self.plan.bounds[s + 1] - 1}, "
+                          f"rank {self._global(self.schedule.placement(s)[0])}"))
+        result.skipped = overflow or result.nonfinite
+        self.loss_scale.update(overflow)
+
+    def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
+        self.watch.wait(work, what, peers, cuda=self.device.type == "cuda")
+
+    # ------------------------------------------------------------------ interpreting the program
+
+    def _read_data(self, data_iter: Iterator[Any] | None) -> tuple[list[Any], list[Any]]:
+        if not self.needs_data:
+            return [], []
+        if data_iter is None:
+            raise ValueError(f"rank {self.rank} holds the first or last stage and needs a data iterator")
+        inputs, targets = [], []
+        for k in range(self.microbatches):
+            try:
+                item = next(data_iter)
+            except StopIteration:
+                raise ValueError(f"the data iterator ran out after {k} of {self.microbatches} microbatches "
+                                 f"of step {self.step_count}") from None
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"the data iterator must yield (inputs, target) pairs, got {type(item).__name__}")
+            inputs.append(to_device(item[0], self.device))
+            targets.append(to_device(item[1], self.device))
+        return inputs, targets
+
+    def _run(self, program: list[Step], data_iter: Iterator[Any] | None, train: bool,
+             keep_outputs: bool) -> StepResult:
+        self.watch.context = f"position {self.position}, replica {self.replica}, step {self.step_count}"
+        self.watch.doing = "reading the data"
+        self.clock.start()
+        for st in self.stages:
+            st.reset()
+        state = _StepState(train, keep_outputs, *self._read_data(data_iter))
+        self.wire.begin_step()
+        for idx, step in enumerate(program):
+            if train and idx in self._arm_at:
+                self.grad_sync.arm(self._arm_at[idx])
+            self._execute(step, state)
+            if train and idx == self._last_backward:
+                self.grad_sync.start()
+        self.watch.doing = "waiting for the step's sends"
+        if self.topology.pp > 1:
+            start = self.clock.mark()
+            self.wire.finish()
+            self.clock.add(self.stages[0].index, Phase.WAIT, -1, start, self.clock.mark())
+        return StepResult(loss=0.0, peak_stored=self.peak_stored)
+
+    def _receive(self, state: _StepState, kind: Kind, a: Action, stage: int, local_key: tuple[Kind, int, int]) -> Any:
+        """An input of ``a``: from the previous stage on this rank (pp = 1), or taken from the wire (timed)."""
+        if self.topology.pp == 1:
+            return state.local.pop(local_key)
+        start = self.clock.mark()
+        value = self.wire.take(kind, a.microbatch, a.chunk)
+        self.clock.add(stage, Phase.WAIT, a.microbatch, start, self.clock.mark())
+        return value
+
+    def _pass_on(self, state: _StepState, kind: Kind, a: Action, value: Any) -> None:
+        if self.topology.pp == 1:
+            state.local[(kind, a.microbatch, a.chunk)] = value
+        else:
+            self.wire.put(kind, a.microbatch, a.chunk, value)
+
+    def _execute(self, step: Step, state: _StepState) -> None:
+        """Interpret one step of the program (a compute action, or a comm step for the wire)."""
+        a = step[0]
+        stage = self.stages[a.chunk]
+        mb = a.microbatch
+        self.watch.doing = step   # formatted only if reported (faults.doing_text)
+        if a.kind is Kind.F:
+            if stage.is_first:
+                x = state.inputs[mb]
+            else:
+                x = self._receive(state, Kind.RECV_F, a, stage.index, (Kind.F, mb, a.chunk - 1))
+            start = self.clock.mark()
+            out = stage.forward(mb, x, state.targets[mb] if stage.is_last else None, state.train, state.keep_outputs)
+            if not stage.is_last:
+                self._pass_on(state, Kind.F, a, out)
+        elif a.kind is Kind.B:
+            grads = (None if stage.is_last
+                     else self._receive(state, Kind.RECV_B, a, stage.index, (Kind.B, mb, a.chunk + 1)))
+            start = self.clock.mark()
+            input_grads = stage.backward(mb, grads, self.schedule.split_backward)
+            if not stage.is_first:
+                self._pass_on(state, Kind.B, a, input_grads)
+        elif a.kind is Kind.W:
+            start = self.clock.mark()
+            stage.backward_weight(mb)
+        else:
+            start = self.clock.mark()
+            if self.wire.settle():   # the proof's completions before this step: timed as waiting
+                self.clock.add(stage.index, Phase.WAIT, mb, start, self.clock.mark())
+                start = self.clock.mark()
+            self.wire.post(step)
+        phase = Phase(a.kind.value) if a.kind.is_compute else Phase.COMM
+        self.clock.add(stage.index, phase, mb, start, self.clock.mark())
+        self.wire.poll()

@@ -1,0 +1,341 @@
+"""Failing loudly: every wait is watched, a failure reaches every rank, a hang is explained once.
+
+[Note: the fault channel]
+The ranks talk about faults through the process group's own c10d store (the key-value store
+every rank already shares: torchrun's, or rank 0's TCPStore), under ``pipeengine/faults/``:
+
+- ``failed``: the first rank whose step raised writes what and where (rank, position, replica,
+  step, action, the exception and its traceback) before the exception leaves the engine.
+- ``wait/<rank>``: what a rank is waiting on, for how long, and on which peers; written by a rank
+  whose wait timed out and, once a hang is announced (``hang``), by every other rank's watcher.
+- ``report``: the assembled wait-for picture, written by the first rank that timed out.
+
+Each rank's :class:`Watch` runs a daemon thread that polls one counter of the store twice a
+second. A rank blocked in a wait cannot be woken on Gloo (its waits are not interruptible, and
+aborting the group does not end them), so when another rank failed or a report was made, a
+rank still blocked ``kill_after`` (2) seconds later ends its own process, as NCCL's watchdog
+does (exit status ``EXPLAINED``); its peers then see closed connections and stop at once. A
+rank that is not blocked raises :class:`PeerFailed` at its next wait. Rank 0 prints the
+failure or the report once (under ``launch/pipe.sh`` only rank 0's output is shown). A rank
+that publishes nothing during a hang is stopped, dead or stuck outside the engine: the report
+names it as the likely culprit. Workers of a launcher also stop when it dies (``watch_parent``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from .numerics import NonFiniteError
+from .options import STARTUP_TIMEOUT
+
+__all__ = ["EXPLAINED", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout", "wait_for_report",
+           "doing_text"]
+
+EXPLAINED = 3            # exit status of a rank that stopped because of an explained fault elsewhere
+PREFIX = "pipeengine/faults/"
+POLL = 0.5               # seconds between the watcher's looks at the store
+
+
+class WaitTimeout(RuntimeError):
+    """A wait did not complete in time; the message is this rank's line, then the wait-for report."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed (or the launcher or the store went away); the message says which and why."""
+
+
+def adaptive_timeout(step_times: Sequence[float]) -> float:
+    """The wait limit once steps have been timed: max(60 s, 20 x the median step)."""
+    if not step_times:
+        return STARTUP_TIMEOUT
+    ordered = sorted(step_times)
+    return max(60.0, 20.0 * ordered[len(ordered) // 2])
+
+
+class Watch:
+    """This rank's side of the fault channel (see the module note); one per process group."""
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.timeout = STARTUP_TIMEOUT
+        self.context = ""                  # "position 1, replica 0, step 3", set by the engine
+        self.doing: Any = ""               # what the main thread runs (a program step or a phrase), set by the engine
+        self.peer_failure: str | None = None
+        self.exit_status = EXPLAINED
+        self.kill_after = 2.0              # seconds a blocked rank may still unblock by itself after a failure
+        self._noticed = 0.0
+        self._waiting: dict[str, Any] | None = None   # what the main thread is blocked on
+        self._events = 0
+        self._published = False
+        self._store_errors = 0
+        self._ppid: int | None = None
+        self._group = dist.group.WORLD
+        try:   # where this rank runs: a silent rank in a report can then be inspected (py-spy, gdb)
+            store.set(f"{PREFIX}where/{rank}", f"pid {os.getpid()} on {socket.gethostname()}")
+        except Exception:
+            pass
+        self._thread = threading.Thread(target=self._run, name="pipeengine-watch", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ main thread
+
+    def watch_parent(self) -> None:
+        """Also stop this process when its launcher dies (its parent changes), even by ``kill -9``."""
+        self._ppid = os.getppid()
+
+    def wait(self, work: Any, what: Any, peers: Sequence[int], cuda: bool = False,
+             error: type[WaitTimeout] = WaitTimeout) -> None:
+        """Wait for ``work`` (a c10d Work) within ``timeout``; on a timeout, assemble the wait-for report.
+
+        ``what`` is formatted only if it is reported (waits are on the hot path); a timeout raises
+        ``error``. On CUDA the stream waits, not the host, and NCCL's own watchdog enforces the
+        group's timeout.
+        """
+        if self.peer_failure:
+            raise PeerFailed(self.peer_failure)
+        if cuda:
+            work.wait()
+            return
+        self._waiting = {"what": what, "peers": list(peers), "since": time.monotonic()}
+        why = ""
+        try:
+            ok = work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            ok, why = False, (str(exc).splitlines() or [repr(exc)])[0]
+        finally:
+            waited = time.monotonic() - self._waiting["since"]
+            self._waiting = None
+        if ok is not False:
+            return
+        if "timed out" not in why.lower() and waited < self.timeout:   # a closed connection: a peer is gone
+            failure = self._failure_text(wait=2.0)
+            raise PeerFailed(failure or f"rank {self.rank} ({self.context}): {doing_text(what)} with rank(s) "
+                                        f"{_ranks(peers)} broke after {waited:.1f} s, and no rank reported a failure "
+                                        f"(killed or crashed without a trace: see its log): {why}")
+        line = self._line("waits", what, peers, waited)
+        raise error(f"{_describe(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
+
+    def report(self, exc: BaseException) -> None:
+        """Publish an exception leaving the engine on this rank, unless every rank raises it alike. A
+        ValueError or TypeError raised by pipeengine itself (e.g. a layer that cannot take its input)
+        counts as bad input."""
+        if isinstance(exc, (NonFiniteError, PeerFailed, WaitTimeout)):
+            return
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        ours = tb is not None and "pipeengine" in tb.tb_frame.f_code.co_filename
+        self.fail(exc, f"error: rank {self.rank} ({self.context}) failed in {doing_text(self.doing)}: "
+                       f"{type(exc).__name__}: {exc}", ours and isinstance(exc, (ValueError, TypeError)))
+
+    def fail(self, exc: BaseException, summary: str, input_error: bool = False) -> None:
+        """Tell every rank that this one failed (the first failure wins); called before the exception leaves."""
+        if isinstance(exc, (PeerFailed, WaitTimeout)):
+            return
+        record = {"rank": self.rank, "summary": summary, "input_error": input_error,
+                  "traceback": "".join(traceback.format_exception(exc))}
+        try:
+            if self.store.compare_set(PREFIX + "failed", "", json.dumps(record)) == json.dumps(record).encode():
+                self.store.add(PREFIX + "events", 1)
+        except Exception:   # the store itself is gone: nothing left to tell
+            pass
+
+    # ------------------------------------------------------------------ hang reports
+
+    def _line(self, state: str, what: Any = "", peers: Sequence[int] = (), secs: float = 0.0) -> dict[str, Any]:
+        return {"rank": self.rank, "context": self.context, "state": state, "what": doing_text(what),
+                "peers": list(peers), "secs": round(secs, 1)}
+
+    def _publish(self, line: dict[str, Any]) -> None:
+        self.store.set(f"{PREFIX}wait/{self.rank}", json.dumps(line))
+
+    def _hang(self, line: dict[str, Any]) -> str:
+        """Publish this rank's line, collect the others' for a grace period, print the report once."""
+        try:
+            self._publish(line)
+            self._published = True
+            if self.store.compare_set(PREFIX + "hang", "", str(self.rank)) == str(self.rank).encode():
+                self.store.add(PREFIX + "events", 1)
+            lines = self._collect(grace=min(5.0, max(1.5, self.timeout / 2)))
+            where = {r: self.store.get(f"{PREFIX}where/{r}").decode() for r in range(self.world)
+                     if r not in lines and self.store.check([f"{PREFIX}where/{r}"])}
+            report = wait_for_report(lines, self.world, self.timeout, where)
+            if self.store.compare_set(PREFIX + "report", "", report) == report.encode():
+                self.store.add(PREFIX + "events", 1)
+            else:
+                report = self.store.get(PREFIX + "report").decode()
+        except Exception as exc:   # the store is gone (its host died): this rank's view only
+            return f"(no wait-for report: the store is unreachable: {exc})"
+        self.print_once(report, only_rank0=0 in lines)
+        return report
+
+    def _collect(self, grace: float) -> dict[int, dict[str, Any]]:
+        deadline = time.monotonic() + grace
+        lines: dict[int, dict[str, Any]] = {}
+        while True:
+            for r in range(self.world):
+                if r not in lines and self.store.check([f"{PREFIX}wait/{r}"]):
+                    lines[r] = json.loads(self.store.get(f"{PREFIX}wait/{r}"))
+            if len(lines) == self.world or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.1)
+
+    def print_once(self, text: str, only_rank0: bool = False) -> None:
+        """Rank 0 prints (the rank whose output ``launch/pipe.sh`` shows); if rank 0 is silent, the first caller."""
+        if only_rank0 and self.rank != 0:
+            return
+        try:
+            if self.store.add(PREFIX + "printed", 1) != 1:
+                return
+        except Exception:
+            pass
+        print(text, file=sys.stderr, flush=True)
+
+    def _failure_text(self, wait: float = 0.0) -> str | None:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self.store.check([PREFIX + "failed"]):
+                    rec = json.loads(self.store.get(PREFIX + "failed"))
+                    self.exit_status = 2 if rec["input_error"] else EXPLAINED
+                    text = rec["summary"] if rec["input_error"] else f"{rec['summary']}\n{rec['traceback']}"
+                    return str(text).rstrip()
+                if self.store.check([PREFIX + "report"]):
+                    return str(self.store.get(PREFIX + "report").decode())
+            except Exception:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------------ the watcher thread
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(POLL)
+            if not dist.is_initialized() or dist.group.WORLD is not self._group:
+                return   # the process group this watch belongs to is gone
+            if self._ppid is not None and os.getppid() != self._ppid:
+                self._stop_process(f"rank {self.rank}: the launcher (pid {self._ppid}) died; stopping this worker")
+            try:
+                if self._store_errors >= 3:   # the store is gone: stop asking (each try logs a C++ warning)
+                    raise RuntimeError("unreachable")
+                events = self.store.add(PREFIX + "events", 0)
+                self._store_errors = 0
+                if events != self._events:
+                    self._events = events
+                    self._on_event()
+            except Exception as exc:
+                self._store_errors += 1
+                if self._store_errors == 3 and self.peer_failure is None:
+                    self.peer_failure = (f"rank {self.rank} ({self.context}): the process group's store is "
+                                         f"unreachable (its host, rank 0 or the launcher, died): {exc}")
+                    self._noticed = time.monotonic()
+            waiting = self._waiting
+            if (self.peer_failure and waiting is not None
+                    and time.monotonic() - max(self._noticed, waiting["since"]) > self.kill_after):
+                self._stop_process(self.peer_failure)
+
+    def _on_event(self) -> None:
+        if self.store.check([PREFIX + "hang"]) and not self._published:
+            waiting = self._waiting
+            if waiting is not None:
+                line = self._line("waits", waiting["what"], waiting["peers"], time.monotonic() - waiting["since"])
+            else:
+                line = self._line("runs", self.doing or "outside the engine")
+            self._publish(line)
+            self._published = True
+        failed = self.store.check([PREFIX + "failed"])
+        if failed and json.loads(self.store.get(PREFIX + "failed"))["rank"] == self.rank:
+            return   # this rank's own failure: its exception is on its way
+        if (failed or self.store.check([PREFIX + "report"])) and self.peer_failure is None:
+            self.peer_failure = self._failure_text()
+            self._noticed = time.monotonic()
+            if self.peer_failure and self.rank == 0:
+                self.print_once(self.peer_failure)
+
+    def _stop_process(self, text: str) -> None:
+        """End this process: it is blocked in a wait that nothing else will end (see the module note)."""
+        if self.rank == 0:
+            self.print_once(text)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_status)
+
+
+def doing_text(what: Any) -> str:
+    """A program step (a tuple of actions) as ``F3`` or ``sendF3>1 recvB2<1``; anything else as str()."""
+    return " ".join(map(str, what)) if isinstance(what, tuple) else str(what)
+
+
+def _ranks(peers: Sequence[int]) -> str:
+    return ", ".join(map(str, peers))
+
+
+def _describe(line: dict[str, Any]) -> str:
+    head = f"rank {line['rank']}" + (f" ({line['context']})" if line["context"] else "")
+    if line["state"] == "waits":
+        return f"{head}: waits {line['secs']:.1f} s in {line['what']} for rank(s) {_ranks(line['peers'])}"
+    return f"{head}: runs {line['what']}"
+
+
+def wait_for_report(lines: dict[int, dict[str, Any]], world: int, timeout: float,
+                    where: dict[int, str] | None = None) -> str:
+    """Who waits on whom: every rank's line, the ranks that said nothing (``where`` they run, if known), and a
+    cycle of waits if there is one."""
+    out = [f"pipeengine: wait-for report (a wait exceeded {timeout:g} s; {len(lines)} of {world} ranks answered)"]
+    out += ["  " + _describe(lines[r]) for r in sorted(lines)]
+    silent = [r for r in range(world) if r not in lines]
+    out += [f"  rank {r}" + (f" ({where[r]})" if where and r in where else "")
+            + ": said nothing: stopped, dead or stuck outside the engine" for r in silent]
+    edges = {r: [p for p in ln["peers"]] for r, ln in lines.items() if ln["state"] == "waits"}
+    cycle = _cycle(edges)
+    if cycle:
+        out.append("  cycle: " + " -> ".join(f"rank {r}" for r in cycle + cycle[:1])
+                   + " (each waits on the next: the ranks run programs that do not match)")
+    culprits = silent or sorted(r for ln in lines.values() if ln["state"] == "waits"
+                                for r in ln["peers"] if r in lines and lines[r]["state"] == "runs")
+    if culprits:
+        out.append(f"  likely culprit: rank {_ranks(sorted(set(culprits)))}"
+                   + (" (said nothing)" if silent else " (busy while others wait on it)"))
+    return "\n".join(out)
+
+
+def _cycle(edges: dict[int, list[int]]) -> list[int]:
+    """One cycle in the wait-for graph (ranks in order), or [] if there is none."""
+    for start in sorted(edges):
+        path, seen = [start], {start}
+        node = start
+        while True:
+            nxt = next((p for p in edges.get(node, []) if p in edges), None)
+            if nxt is None:
+                break
+            if nxt in seen:
+                return path[path.index(nxt):]
+            path.append(nxt)
+            seen.add(nxt)
+            node = nxt
+    return []
+
+
+_WATCHES: dict[int, Watch] = {}
+
+
+def watch() -> Watch:
+    """The :class:`Watch` of the current default process group (created on first use)."""
+    group = dist.group.WORLD
+    w = _WATCHES.get(id(group))
+    if w is None or w._group is not group:
+        store = dist.distributed_c10d._get_default_store()   # the group's own store (no public accessor)
+        w = _WATCHES[id(group)] = Watch(store, dist.get_rank(), dist.get_world_size())
+    return w

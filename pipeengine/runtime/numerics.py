@@ -1,0 +1,101 @@
+"""Numerics at the end of a step: what every rank learns in one all-reduce, non-finite reports, fp16 loss scaling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["NonFiniteError", "StepSignals", "SignalVector", "LossScale", "nonfinite_message"]
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradients went non-finite (``on_nonfinite="stop"``); raised on every rank alike."""
+
+
+@dataclass
+class StepSignals:
+    """What every rank of a pipeline knows after the step's one all-reduce (see :class:`SignalVector`)."""
+
+    grad_sq: float                  # squared gradient norm, each logical parameter counted once
+    loss: float                     # this replica's step loss (the last stage's microbatch losses, summed)
+    nonfinite_outputs: list[float]  # per stage: outputs (or the loss) that went non-finite
+    nonfinite_grads: list[float]    # per stage: gradients that went non-finite
+
+
+class SignalVector:
+    """The float64 vector a step all-reduces over its pipeline: the layout of :class:`StepSignals` in one place.
+
+    ``[grad_sq, loss, (outputs, grads) per stage]``; each rank adds its share in place on the device
+    (no host sync until the all-reduce has been waited for).
+    """
+
+    def __init__(self, num_stages: int, device: torch.device) -> None:
+        self.num_stages = num_stages
+        self.tensor = torch.zeros(2 + 2 * num_stages, dtype=torch.float64, device=device)
+
+    def add_grad_sq(self, value: torch.Tensor) -> None:
+        self.tensor[0] += value
+
+    def set_loss(self, value: torch.Tensor) -> None:
+        self.tensor[1] = value
+
+    def add_stage(self, stage: int, outputs_and_grads: torch.Tensor, grads_nonfinite: torch.Tensor) -> None:
+        """A stage's non-finite counts (outputs, input gradients), and whether its weight gradients are."""
+        self.tensor[2 + 2 * stage:4 + 2 * stage] += outputs_and_grads
+        self.tensor[3 + 2 * stage] += grads_nonfinite
+
+    def decode(self) -> StepSignals:
+        values = self.tensor.tolist()
+        return StepSignals(values[0], values[1], values[2::2], values[3::2])
+
+
+def nonfinite_message(step: int, signals: StepSignals, grad_norm: float, replica: int,
+                      place: Callable[[int], str]) -> str:
+    """Where a step went non-finite; ``place(stage)`` names its layers and rank. The first stage with a
+    non-finite output is the source; else the last one whose gradients went non-finite."""
+    out = [s for s, v in enumerate(signals.nonfinite_outputs) if v > 0]
+    grad = [s for s, v in enumerate(signals.nonfinite_grads) if v > 0]
+    if out:
+        where = f"the first non-finite forward output came from stage {out[0]} ({place(out[0])})"
+    elif grad:
+        where = f"the forward was finite; the backward went non-finite first in stage {grad[-1]} ({place(grad[-1])})"
+    else:
+        where = "the stage outputs and gradients were finite: the loss function returned it"
+    return (f"step {step}: loss {signals.loss:g}, gradient norm {grad_norm:g}: {where} (replica {replica}'s view). "
+            f"Skip such steps with on_nonfinite='skip' (--on-nonfinite skip), or lower the learning rate")
+
+
+class LossScale:
+    """fp16's dynamic loss scale (as torch's GradScaler): the loss is multiplied by ``value`` before
+    backward; a step whose gradients overflow is skipped and halves it, 2000 good steps double it.
+    Disabled (value 1.0, never overflowing) for fp32 and bf16. At the floor, a non-finite gradient is
+    no overflow but non-finite (``on_nonfinite`` decides), or a diverged run would skip steps forever."""
+
+    FLOOR = 2.0**-24
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.value = 2.0**16 if enabled else 1.0
+        self.good_steps = 0
+
+    def overflow(self, grad_norm: float) -> bool:
+        """Whether a step with this gradient norm overflowed (to be skipped, the scale halved)."""
+        return self.enabled and not math.isfinite(grad_norm) and self.value > self.FLOOR
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        self.good_steps = 0 if overflow else self.good_steps + 1
+        if overflow:
+            self.value = max(self.FLOOR, self.value / 2)
+        elif self.good_steps % 2000 == 0:
+            self.value *= 2
+
+    def unscale(self, params: Sequence[torch.nn.Parameter]) -> None:
+        if self.enabled:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self.value)

@@ -1,0 +1,77 @@
+"""The engine's settings that the trainer's command line takes too: allowed values and their checks (torch-free).
+
+Each check names the setting as the caller knows it (``--timeout`` on the command line, ``timeout``
+for the engine), so one function serves both and a value is checked in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+__all__ = ["PRECISIONS", "WIRE_MODES", "ON_NONFINITE", "STARTUP_TIMEOUT", "check_choice", "check_timeout",
+           "check_grad_clip", "parse_recompute", "check_engine_arguments"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")   # fp32 throughout; bf16 autocast; fp16 autocast with a loss scale (CUDA)
+WIRE_MODES = ("tags", "strict")         # Gloo: a tag per transfer, or NCCL's per-peer order emulated
+ON_NONFINITE = ("stop", "skip")         # a non-finite loss or gradient: raise naming the stage, or skip the update
+STARTUP_TIMEOUT = 600.0                 # seconds a wait may take until the first step has been timed
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
+    return str(value)
+
+
+def check_timeout(name: str, value: float | None) -> float | None:
+    """None (adaptive: see faults.adaptive_timeout) or a finite number of seconds > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+        raise ValueError(f"{name} must be a positive number of seconds (got {shown}); leave it out for the default "
+                         f"({STARTUP_TIMEOUT:.0f} s until the first step, then max(60 s, 20 x the median step))")
+    if value < 1:
+        raise ValueError(f"{name} {value:g} s is shorter than one exchange between ranks can take; give at least 1 s")
+    return float(value)
+
+
+def check_grad_clip(name: str, value: float | None) -> float | None:
+    """None (measure the norm only) or a finite maximum norm > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+        raise ValueError(f"{name} must be a positive, finite gradient norm (got {shown}); use None to measure the "
+                         f"norm without clipping")
+    return float(value)
+
+
+def parse_recompute(spec: str, name: str = "recompute") -> int | None:
+    """Layers per recompute region: ``none`` -> None, ``full`` -> 0 (the whole stage), ``every:K`` -> K."""
+    if spec == "none":
+        return None
+    if spec == "full":
+        return 0
+    if isinstance(spec, str) and spec.startswith("every:") and spec[6:].isdigit() and int(spec[6:]) >= 1:
+        return int(spec[6:])
+    raise ValueError(f"{name} must be 'none', 'full' or 'every:K' with K >= 1 layers per region (got {spec!r})")
+
+
+def check_engine_arguments(layers: Any, loss_fn: Any, optimizer: Any, precision: str, recompute: str, wire: str,
+                           on_nonfinite: str, timeout: float | None, grad_clip: float | None) -> None:
+    """Every argument a user can get wrong, before any collective (so the error is the same on every rank)."""
+    if not isinstance(layers, Sequence) or isinstance(layers, (str, bytes)) or not layers:
+        raise TypeError(f"layers must be a non-empty list of nn.Modules or factories (got {type(layers).__name__})")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (output, target) -> scalar Tensor (got {loss_fn!r})")
+    if hasattr(optimizer, "param_groups") or not callable(optimizer):
+        raise TypeError(f"optimizer must be a factory params -> Optimizer, e.g. lambda ps: torch.optim.AdamW(ps, "
+                        f"lr=1e-3): each rank builds it for its own parameters (got {type(optimizer).__name__})")
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("wire", wire, WIRE_MODES)
+    check_choice("on_nonfinite", on_nonfinite, ON_NONFINITE)
+    parse_recompute(recompute)
+    check_timeout("timeout", timeout)
+    check_grad_clip("grad_clip", grad_clip)

@@ -1,0 +1,138 @@
+"""The plan: what every rank agrees on before the first step, as one frozen object the engine interprets.
+
+:func:`make_plan` is collective over the default group. It checks that every rank was given the
+same model (and the same ``agree`` settings), takes the schedule (compiled by name or given),
+finds the stage bounds (by parameters, by layer count, explicit, or by measuring every layer and
+simulating candidate splits: ``partition="profile"``), and, when it measured, lowers the schedule
+with the measured costs. Rank 0 decides the bounds; a failure on any rank is raised on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import Costs, Schedule, compile_schedule, validate
+from .agree import decided_by_rank0
+from .layers import LayerSpec, fingerprint, model_mismatch, sizing_layers
+from . import planner
+from .planner import Choice
+from .profile import profile_shares
+
+__all__ = ["Plan", "make_plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything about a run's pipeline that does not change while it trains.
+
+    ``schedule`` is the validated training program of every position, ``eval_schedule`` the
+    forward-only one; ``bounds[s]..bounds[s+1]-1`` are stage s's layers; ``costs`` are the per-stage
+    costs the schedule was lowered with (None: unit costs); ``choice`` is what the profile partition
+    measured and predicted (None for the other methods).
+    """
+
+    schedule: Schedule
+    eval_schedule: Schedule
+    bounds: tuple[int, ...]
+    num_layers: int
+    costs: Costs | None = None
+    choice: Choice | None = field(default=None, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    def layers_of(self, stage: int) -> range:
+        return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def stage_of_layer(self, layer: int) -> int:
+        return next(s for s in range(self.num_stages) if self.bounds[s] <= layer < self.bounds[s + 1])
+
+    def position_of_layer(self, layer: int) -> int:
+        return self.schedule.placement(self.stage_of_layer(layer))[0]
+
+    def stages_at(self, position: int) -> list[int]:
+        """The stages ``position`` runs, by chunk."""
+        return [self.schedule.stage(position, c) for c in range(self.schedule.chunks)]
+
+
+def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule = "1f1b", microbatches: int = 4,
+              chunks: int = 1, partition: str | Sequence[int] = "parameters", costs: Costs | None = None,
+              sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, seed: int = 0,
+              precision: str = "fp32", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+              device: torch.device | None = None, validate_schedule: bool = True,
+              agree: Mapping[str, Any] | None = None) -> Plan:
+    """The plan every rank uses (collective; see the module docstring).
+
+    Args:
+        layers: the model's layer list (modules or factories, see layers.py); ``pp``: positions.
+        schedule: a name (gpipe, 1f1b, interleaved-1f1b, zb-h1) or a compiled :class:`Schedule`
+            (proven first unless ``validate_schedule`` is False: only to test faults).
+        microbatches: per step and replica; ``chunks``: stages per position (interleaved schedules).
+        partition: "profile" (measure every layer's F, B and W on ``sample``, in parallel over the
+            ranks, and take the bounds whose simulated step with this schedule is shortest),
+            "parameters", "uniform", or explicit bounds ``[0, b1, ..., len(layers)]``.
+        costs: per-stage costs to lower the schedule with (default: unit costs, or the measured ones).
+        sample: one microbatch ``(inputs, target)`` for ``partition="profile"`` (every rank passes it).
+        memory_cap: bytes per position the profile partition may plan for (None: no limit).
+        seed, precision, loss_fn, device: as the engine builds and runs the layers (for profiling).
+        agree: more settings that must be equal on every rank (compared with the model, in the same
+            collective).
+    """
+    if isinstance(schedule, Schedule):
+        if schedule.pp != pp:
+            raise ValueError(f"schedule is for pp={schedule.pp} but the topology has pp={pp}")
+        if validate_schedule:
+            validate(schedule)
+        compiled = schedule
+    else:
+        compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
+    sizing = sizing_layers(layers)
+    _check_same_everywhere(seed, sizing, dict(agree or {}))
+    device = device or torch.device("cpu")
+    measured = []
+    if partition == "profile" and compiled.num_stages > 1:
+        if loss_fn is None:
+            raise ValueError("partition='profile' times the loss too: pass loss_fn")
+        measured = profile_shares(layers, seed, sample, loss_fn, device, precision, compiled.split_backward)
+
+    def decide() -> list[int] | Choice:
+        if measured:
+            return planner.choose_bounds(measured, compiled, memory_cap)
+        if partition == "profile":
+            return [0, len(layers)]
+        if isinstance(partition, str):
+            return planner.partition(sizing, compiled.num_stages, partition)
+        return planner.partition(sizing, compiled.num_stages, boundaries=list(partition))
+
+    decided = decided_by_rank0(decide)
+    choice = decided if isinstance(decided, Choice) else None
+    bounds = tuple(decided.bounds if isinstance(decided, Choice) else decided)
+    if choice is not None and isinstance(schedule, str) and costs is None:
+        costs = choice.mean_costs()   # the communication order (and zb-h1's variant) from the measured costs
+        compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
+    eval_schedule = compile_schedule("forward", pp, compiled.microbatches, compiled.chunks)
+    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice)
+
+
+def _check_same_everywhere(seed: int, sizing: Sequence[Any], agree: dict[str, Any]) -> None:
+    """One all-gather: every rank's layer fingerprints, seed and ``agree`` settings; a difference raises
+    on every rank, naming what differs and where."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ((seed, [fingerprint(m) for m in sizing]), agree))
+    mismatch = model_mismatch([model for model, _ in everyone])
+    if mismatch:
+        raise ValueError(mismatch)
+    for key in sorted({k for _, settings in everyone for k in settings}):
+        values: dict[str, list[int]] = {}
+        for r, (_, settings) in enumerate(everyone):
+            values.setdefault(repr(settings.get(key)), []).append(r)
+        if len(values) > 1:
+            where = " but ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                                 for v, rs in values.items())
+            raise ValueError(f"the ranks were given different {key}: {where}; every rank must be started "
+                             f"with the same settings")

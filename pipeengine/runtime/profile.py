@@ -1,0 +1,179 @@
+"""Measuring layers: every layer's F, B, W and fused-backward time and its memory on a real microbatch.
+
+:func:`profile_layers` times layers in this process; :func:`profile_shares` splits the work over
+the ranks (each times a contiguous share, in parallel where the machine allows) and gives every
+rank every layer's costs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .device import synchronize
+from .layers import LayerSpec, build_layer
+from .planner import LayerCost, partition
+from .stage import DTYPES, LayerChain, Stage
+from .tensors import detach, flat, to_device
+
+__all__ = ["profile_layers", "profile_shares"]
+
+
+class _LayerTimer:
+    """One layer run as a one-layer stage of the engine (the model's first layer as a first stage, its
+    last with the loss), timed phase by phase; counts the bytes its forward keeps for backward."""
+
+    def __init__(self, layer: nn.Module, index: int, num_layers: int, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 target: Any, device: torch.device, precision: str) -> None:
+        self.kind = 0 if index == 0 else 2 if index == num_layers - 1 else 1   # first, middle or last stage
+        self.stage = Stage(LayerChain([layer], index), self.kind, 3, loss_fn, 1, precision=precision)
+        self.target = target if self.kind == 2 else None
+        self.device = device
+        self.params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        self.saved: dict[int, int] = {}   # storage -> bytes kept for backward by the last forward
+        self.out: Any = None               # the output of the last forward
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.saved[storage.data_ptr()] = storage.nbytes()
+        return t.detach()   # not ``t``: the stage frees its output's storage in place after F
+
+    def run(self, x: Any, split_backward: bool) -> tuple[float, float, float]:
+        """One microbatch: seconds of F, of B (the fused backward if not split) and of W."""
+        self.saved.clear()
+        self.stage.reset()
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            self.out = self.stage.forward(0, detach(x), self.target, True)
+        synchronize(self.device)
+        t1 = time.perf_counter()
+        grads = None if self.kind == 2 else tuple(torch.ones_like(t) for t in flat(self.out) if t.is_floating_point())
+        self.stage.backward(0, grads, split=split_backward)
+        synchronize(self.device)
+        t2 = time.perf_counter()
+        if split_backward:
+            self.stage.backward_weight(0)
+            synchronize(self.device)
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def _measure(timer: _LayerTimer, x: Any, split: bool | None, repeats: int, min_time: float,
+             max_repeats: int) -> tuple[float, float, float, float]:
+    """Median (f, b, w, fused) of at least ``repeats`` timed runs after one warm-up, more for a fast
+    layer (until ``min_time`` seconds were timed, at most ``max_repeats`` runs)."""
+    times: list[tuple[float, float, float, float]] = []
+    rep, timed = 0, 0.0
+    while rep <= repeats or (timed < min_time and rep <= max_repeats):
+        fused_run = timer.run(x, False) if split is not True else None
+        split_run = timer.run(x, True) if split is not False else None
+        if rep:   # the first run warms up
+            if fused_run and split_run:
+                times.append(((fused_run[0] + split_run[0]) / 2, *split_run[1:], fused_run[1]))
+            elif split_run:
+                times.append((*split_run, split_run[1] + split_run[2]))
+            elif fused_run:
+                times.append((fused_run[0], fused_run[1], 0.0, fused_run[1]))
+            timed += sum(sum(r) for r in (fused_run, split_run) if r)
+        rep += 1
+    f, b, w, fused = (statistics.median(t[k] for t in times) for k in range(4))
+    return f, b, w, fused
+
+
+def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
+                   precision: str = "fp32", split: bool | None = None, repeats: int = 3,
+                   min_time: float = 0.1, max_repeats: int = 25) -> list[LayerCost]:
+    """Measure ``layers`` (model layers ``first``, ``first + 1``, ...) on one microbatch ``x``, the input of
+    ``layers[0]``: each layer runs F, B and W as a one-layer stage of the engine (the model's first layer
+    as a first stage, its last with ``loss_fn`` on ``target``). Median of at least ``repeats`` runs after
+    one warm-up, more for a fast layer (until ``min_time`` seconds were timed, at most ``max_repeats``
+    runs), so that a short slow spell of a shared machine does not decide. ``split``: time the split
+    backward (True), the fused one (False) or both (None).
+
+    The layers are used as given: pass copies (profiling runs them in train mode, so BatchNorm
+    statistics move, and leaves gradients behind).
+    """
+    costs: list[LayerCost] = []
+    for i, layer in enumerate(layers):
+        timer = _LayerTimer(layer, first + i, num_layers, loss_fn, target, device, precision)
+        f, b, w, fused = _measure(timer, x, split, repeats, min_time, max_repeats)
+        for p in layer.parameters():
+            p.grad = None
+        out_bytes = sum(t.numel() * t.element_size() for t in flat(timer.out)) if timer.out is not None else 0
+        costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
+                               param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters())))
+        x = timer.out
+    return costs
+
+
+def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any] | None,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device, precision: str,
+                   split: bool | None) -> list[LayerCost]:
+    """Every layer's measured costs, on every rank. Rank r profiles a contiguous share of the layers
+    (copies, or built from the factories) on its own device: it receives its share's input from rank
+    r - 1, passes its share's output on at once (one forward, no grad), then times its share while
+    the later ranks do theirs; on CPU with more processes x threads than cores it passes the
+    output on only after timing (the shares are timed one after the other). A failure on any
+    rank is raised on every rank. The share's layers are freed on return."""
+    if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise ValueError("partition='profile' needs sample=(inputs, target): one microbatch, on every rank, "
+                         "to time the layers on (or choose partition='parameters')")
+    n, rank, world = len(specs), dist.get_rank(), dist.get_world_size()
+    owners = min(n, world)
+    result: Any = []
+    if rank < owners:
+        shares = partition(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
+        result = _profile_share(specs, shares[rank], shares[rank + 1], seed, sample, loss_fn, device, precision,
+                                split, rank, owners)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, result)
+    failed = next((r for r in everyone if isinstance(r, str)), None)
+    if failed:
+        raise ValueError(failed)
+    return [c for r in everyone for c in r]
+
+
+def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, sample: tuple[Any, Any],
+                   loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device, precision: str,
+                   split: bool | None, rank: int, owners: int) -> list[LayerCost] | str:
+    """This rank's share of :func:`profile_shares`: its layers' costs, or the error as text."""
+    x: Any = to_device(sample[0], device)
+    if rank > 0:
+        got: list[Any] = [None]
+        dist.recv_object_list(got, src=rank - 1)
+        x = to_device(got[0], device)
+    passed = rank + 1 == owners   # the next share's input (or the error) went on
+    # more processes than cores: time the shares one after the other (passing the input on after
+    # timing), or a share timed while others run would look slower than it is
+    one_at_a_time = device.type != "cuda" and dist.get_world_size() * torch.get_num_threads() > (os.cpu_count() or 1)
+    try:
+        if isinstance(x, str):
+            raise ValueError(x)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            layers = [build_layer(copy.deepcopy(specs[i]) if isinstance(specs[i], nn.Module) else specs[i],
+                                  i, seed).to(device) for i in range(lo, hi)]
+            with torch.no_grad(), torch.autocast(device.type, enabled=precision != "fp32",
+                                                 dtype=DTYPES[precision] or torch.float32):
+                out = LayerChain(layers, lo)(x)
+            if not passed and not one_at_a_time:
+                dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1)
+                passed = True
+            result = profile_layers(layers, lo, len(specs), x, loss_fn=loss_fn, target=to_device(sample[1], device),
+                                    device=device, precision=precision, split=split)
+            if not passed:
+                dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1)
+        return result
+    except (ValueError, TypeError, RuntimeError) as exc:
+        message = f"profiling layers {lo}..{hi - 1} on rank {rank} failed: {exc}"
+        if not passed:
+            dist.send_object_list([message], dst=rank + 1)
+        return message

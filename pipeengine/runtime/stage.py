@@ -1,0 +1,251 @@
+"""One stage on its rank: F, B and W for a microbatch, recompute, precision, freeing buffers early.
+
+[Note: stage boundary detach]
+A stage's input arrives as fresh tensors (from a receive, or detached from the previous stage
+on the same rank) and its floating-point tensors become leaves with ``requires_grad=True``.
+Backward of the stage therefore stops at its own inputs and ``input.grad`` is exactly what the
+previous stage needs. The graph never spans two stages.
+
+[Note: free at the earliest point]
+Per microbatch a stage keeps only what backward needs, and only as long as it needs it:
+
+    what                         kept until        why
+    input leaves (received)      B                 B computes their gradients
+    output roots                 B (W if split)    autograd needs the node, not the data:
+                                                   their storage is swapped for an empty one
+                                                   right after F (the wire still holds the
+                                                   sent alias until the send completed)
+    received output gradients    B (W if split)    W re-runs the backward from them
+
+Backward then runs from roots whose data is gone, so it calls autograd's engine directly
+(``torch.autograd.backward`` would compare the gradient's shape with the emptied root), as
+Megatron's ``deallocate_output_tensor`` does. An output that is a view, or that is one of the
+stage's inputs, keeps its data (freeing it would free someone else's).
+
+[Note: recompute]
+``recompute="full"`` runs the stage's layers as one ``torch.utils.checkpoint`` region
+(non-reentrant, RNG state preserved), so a microbatch keeps only its stage input until its
+backward recomputes the rest; ``"every:K"`` makes one region of every K consecutive layers.
+(Recompute is what torch calls activation checkpointing; in pipeengine a checkpoint is a saved
+training state.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from .backward import WeightGroup, backward_keeping, backward_weights, run_backward, weight_groups
+from .options import PRECISIONS, check_choice, parse_recompute
+from .tensors import describe_value, detach, device_of, floating, to_float, tree_map
+
+__all__ = ["LayerChain", "LayerError", "Stage", "DTYPES"]
+
+Tensors = tuple[torch.Tensor, ...]
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert tuple(DTYPES) == PRECISIONS
+
+
+class LayerError(ValueError):
+    """A layer could not run on its input; the message names the layer, its stage and the input's shapes."""
+
+    def __init__(self, message: str, layer: int) -> None:
+        super().__init__(message)
+        self.layer = layer
+
+
+class LayerChain(nn.Module):
+    """Layers applied in order, one argument each, exactly as ``nn.Sequential`` does (a tuple stays a tuple).
+
+    ``first`` is the model index of the first layer (for messages). Until the chain has run once,
+    a layer that raises (typically on a shape or dtype it cannot take) raises :class:`LayerError`
+    naming it and its input; later errors pass unchanged (a bug, not an input that does not fit).
+    """
+
+    def __init__(self, layers: list[nn.Module], first: int = 0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.first = first
+        self.ran = False
+
+    def forward(self, x: Any) -> Any:
+        if self.ran:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        i = 0
+        try:
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+            self.ran = True
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            if isinstance(exc, (LayerError, torch.OutOfMemoryError)):
+                raise
+            raise LayerError(f"layer {self.first + i} ({type(self.layers[i]).__name__}) cannot take its input "
+                             f"{describe_value(x)}: {(str(exc).splitlines() or [''])[0]}", self.first + i) from exc
+        return x
+
+
+def _deallocate(t: torch.Tensor, inputs: Tensors) -> None:
+    """Swap a root's storage for an empty one (see [Note: free at the earliest point])."""
+    if t.grad_fn is not None and t._base is None and not any(t is x for x in inputs):
+        t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
+
+
+@dataclass
+class _Saved:
+    inputs: Tensors                  # leaves that need gradients (floating inputs of a non-first stage)
+    roots: Tensors                   # where backward starts (the scaled loss on the last stage)
+    grads: Tensors = field(default=())   # gradients of the roots (kept for W when it runs from the roots)
+    groups: list[WeightGroup] = field(default_factory=list)   # split backward: what W runs from
+    rest: Tensors = ()               # split backward: parameters W reaches from the roots
+
+
+class Stage:
+    """Stage ``index`` of ``num_stages``: runs F, B and W of its layers for one microbatch at a time."""
+
+    def __init__(self, module: LayerChain, index: int, num_stages: int, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 microbatches: int, recompute: str = "none", precision: str = "fp32") -> None:
+        check_choice("precision", precision, PRECISIONS)
+        self.module = module
+        self.index = index
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.dtype = DTYPES[precision]          # autocast and wire dtype; None: fp32 throughout
+        self.loss_scale = 1.0                   # fp16: the engine's dynamic loss scale
+        per = parse_recompute(recompute)
+        layers = list(module.layers)
+        self.regions: list[LayerChain] | None = None
+        if per is not None:
+            size = per or len(layers)
+            self.regions = [LayerChain(layers[i:i + size], module.first + i) for i in range(0, len(layers), size)]
+        self.saved: dict[int, _Saved] = {}
+        self.peak_stored = 0
+        self.losses: list[torch.Tensor] = []
+        self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
+        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        self.nonfinite = torch.zeros(2)         # this step: (non-finite outputs or loss, non-finite input grads)
+
+    def reset(self) -> None:
+        self.nonfinite = torch.zeros(2, dtype=torch.float64, device=device_of((), self.params))
+        self.saved.clear()
+        self.losses.clear()
+        self.outputs.clear()
+        self.peak_stored = 0
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
+    def _layers(self, x: Any) -> Any:
+        if self.regions is None:
+            return self.module(x)
+        for region in self.regions:
+            x = _checkpoint(region, x, use_reentrant=False, preserve_rng_state=True)
+        return x
+
+    def _run_layers(self, x: Any) -> Any:
+        try:
+            return self._layers(x)
+        except LayerError as exc:
+            came = (f" (that input is the output of stage {self.index - 1}, whose last layer is layer "
+                    f"{exc.layer - 1})" if not self.is_first and exc.layer == self.module.first else "")
+            raise LayerError(f"stage {self.index}: {exc}{came}", exc.layer) from exc.__cause__
+
+    def forward(self, mb: int, x: Any, target: Any, train: bool, keep_output: bool = False) -> Any:
+        """Run F on one argument ``x``; return what to pass on (None on the last stage, which keeps its loss)."""
+        inputs: Tensors = ()
+        if not self.is_first:   # See [Note: stage boundary detach]
+            inputs = tuple(floating(x))
+            for t in inputs:
+                t.requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            with self._autocast(device_of(x, self.params)):
+                out = self._run_layers(x)
+            if self.is_last:
+                roots = self._loss(mb, out, target, train, keep_output)
+            else:
+                if self.dtype is not None:   # activations travel in the low precision
+                    out = tree_map(out, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+                roots = tuple(floating(out))
+        if not train:
+            return None if self.is_last else out
+        self._count_nonfinite(0, roots)
+        self.saved[mb] = _Saved(inputs, roots)
+        self.peak_stored = max(self.peak_stored, len(self.saved))
+        if self.is_last:
+            return None
+        passed = detach(out)
+        for t in roots:
+            _deallocate(t, inputs)
+        return passed
+
+    def _loss(self, mb: int, out: Any, target: Any, train: bool, keep_output: bool) -> Tensors:
+        """The last stage's loss of microbatch ``mb``, kept (divided by the microbatch count); the backward roots."""
+        loss = self.loss_fn(to_float(out), target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar Tensor, got "
+                            f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        if keep_output:
+            self.outputs[mb] = detach(out)
+        loss = loss.reshape(()) / self.microbatches
+        self.losses.append(loss.detach())
+        return (loss * self.loss_scale,) if train else ()
+
+    def backward(self, mb: int, grads: Tensors | None, split: bool) -> Tensors:
+        """Run B; return the gradients of the stage's floating-point inputs (empty on the first stage)."""
+        saved = self.saved[mb]
+        root_grads = self._root_grads(mb, saved, grads)
+        pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
+        roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
+        if split:   # See [Note: split backward] in backward.py
+            saved.rest = self.params
+            if saved.inputs and roots:
+                if self.regions is None:
+                    saved.groups, rest = weight_groups(roots, saved.inputs, self.params)
+                    saved.rest = tuple(rest)
+                backward_keeping(roots, rgrads, saved.inputs, saved.groups)
+            if saved.rest:
+                saved.grads = root_grads
+            else:
+                saved.roots = ()   # W starts from the branch nodes: what only the roots held can go
+        elif roots:
+            run_backward(roots, rgrads, (), keep_graph=False)
+        result = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs)
+        self._count_nonfinite(1, result)
+        saved.inputs = ()
+        if not split:
+            del self.saved[mb]
+        return result
+
+    def backward_weight(self, mb: int) -> None:
+        """Run W after a split B: accumulate the parameter gradients and free the microbatch."""
+        saved = self.saved.pop(mb)
+        backward_weights(saved.groups)
+        pairs = [(r, g) for r, g in zip(saved.roots, saved.grads) if r.requires_grad]
+        if pairs and saved.rest:
+            run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), saved.rest, keep_graph=False)
+
+    def _count_nonfinite(self, i: int, tensors: Tensors) -> None:
+        """Count tensors holding a NaN or inf into ``nonfinite[i]`` (a sum per tensor, no host sync)."""
+        for t in tensors:
+            total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
+            self.nonfinite[i] += (~torch.isfinite(total)).double()
+
+    def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
+        if self.is_last:
+            return (torch.ones_like(saved.roots[0]),)
+        if grads is None:
+            raise RuntimeError(f"stage {self.index} microbatch {mb}: backward needs the output gradients")
+        if len(grads) != len(saved.roots):
+            raise RuntimeError(f"stage {self.index} microbatch {mb}: got {len(grads)} output gradients "
+                               f"for {len(saved.roots)} floating-point outputs")
+        return grads

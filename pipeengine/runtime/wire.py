@@ -1,0 +1,300 @@
+"""The wire between positions: a step's comm actions as paired isend/irecv, shape headers, tags, buffers.
+
+[Note: the wire is the program]
+Every transfer is one comm action of the rank's validated program, posted in program order, one
+step at a time; nothing else goes on the wire. A forward stream (what one stage sends the next
+in one train or eval step) starts with an explicit header action ``sendH``/``recvH`` that the
+lowering puts in a step of its own before the stream's first payload (schedule/lower.py). A header
+step completes before the rank goes on, as the validator's rendezvous semantics assume of every
+step, so a payload receive is posted with known shapes and no receive is deferred (the header
+is the one transfer the host reads: once per stream and step). Gradients need no header: they
+have the shapes of what this rank sent.
+Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``;
+``packed``: the stage returned a tuple (a tuple again on the other side, as in ``nn.Sequential``).
+
+[Note: modes]
+``tags`` (Gloo default): tensor ``i`` of transfer ``t = 3 * (microbatch * stages + producer) +
+direction`` has tag ``16 t + i``; Gloo matches by (peer, tag), so a step's receives are left
+running. ``strict`` (NCCL semantics on Gloo, used by the tests): one tag between a pair, so Gloo
+matches by per-peer order as NCCL does, and a comm step's ops complete before the next comm step
+is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is one
+``batch_isend_irecv``; waits make the compute stream wait, not the host (NCCL's watchdog times out).
+
+[Note: buffer lifetimes]
+A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
+tensor (the stage kept only its autograd node, see stage.py) is held until its send completed.
+Gloo's works report completion only once waited on, so on Gloo a comm step's sends are waited on
+when the next one is posted (``settle()``): the program was proven under rendezvous semantics,
+where every step completes before the rank goes on, so this closes no cycle, and a stage holds
+one step's sends whatever the schedule. Sooner, when ``take()`` gets a transfer from a peer, the
+earlier sends to it in the link's order were received (it posted those receives before sending
+this): they are waited on there without blocking. On NCCL ``poll()`` releases them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import Action, Kind, Step
+from .faults import Watch, WaitTimeout, watch
+
+__all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "flatten", "MAX_TAG"]
+
+HEADER_LEN = 64
+MAX_TAG = 2**24
+MAX_TENSORS = 15
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+Tensors = tuple[torch.Tensor, ...]
+
+
+class P2PTimeout(WaitTimeout):
+    """A transfer did not complete in time; the message names the op, the peer, the wait and who waits on whom."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def describe(metas: Sequence[TensorMeta]) -> str:
+    """``float32[4, 8], int64[4]``: shapes with their dtypes, as error messages show them."""
+    return ", ".join(f"{str(m.dtype).replace('torch.', '')}{list(m.shape)}" for m in metas) or "nothing"
+
+
+def encode_header(packed: bool, metas: Sequence[TensorMeta], device: torch.device | None = None) -> torch.Tensor:
+    """The fixed-size int64 header announcing a stream's tensors."""
+    if len(metas) > MAX_TENSORS:
+        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors to the next one (got {len(metas)}); "
+                         f"pack them into fewer tensors")
+    out = [int(packed), len(metas)]
+    for m in metas:
+        if m.dtype not in DTYPES:
+            raise TypeError(f"cannot send dtype {m.dtype} between stages; supported: "
+                            f"{', '.join(str(d).replace('torch.', '') for d in DTYPES)}")
+        out += [DTYPES.index(m.dtype), len(m.shape), *m.shape]
+    if len(out) > HEADER_LEN:
+        raise ValueError(f"the shapes {describe(metas)} need a {len(out)}-entry header, more than "
+                         f"{HEADER_LEN}; pass fewer or lower-rank tensors between stages")
+    return torch.tensor(out + [0] * (HEADER_LEN - len(out)), dtype=torch.int64, device=device)
+
+
+def decode_header(header: torch.Tensor) -> tuple[bool, tuple[TensorMeta, ...]]:
+    h = [int(x) for x in header.tolist()]
+    if h[0] not in (0, 1) or not 0 <= h[1] <= MAX_TENSORS:
+        raise ValueError(f"corrupt header {h[:4]}...: the peer sent something else (schedules out of order?)")
+    metas, i = [], 2
+    for _ in range(h[1]):
+        code, ndim = h[i], h[i + 1]
+        if not 0 <= code < len(DTYPES) or ndim < 0 or i + 2 + ndim > HEADER_LEN:
+            raise ValueError(f"corrupt header entry at {i}: {h[i:i + 2]}")
+        metas.append(TensorMeta(tuple(h[i + 2:i + 2 + ndim]), DTYPES[code]))
+        i += 2 + ndim
+    return bool(h[0]), tuple(metas)
+
+
+def flatten(value: Any) -> tuple[bool, Tensors]:
+    """(packed, tensors) of what a stage returned: a Tensor, or a tuple/list of Tensors."""
+    if isinstance(value, torch.Tensor):
+        return False, (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
+        return True, tuple(value)
+    inner = [type(t).__name__ for t in value] if isinstance(value, (tuple, list)) else ""
+    raise TypeError(f"a stage may pass on only a Tensor or a tuple of Tensors, got {type(value).__name__}{inner}")
+
+
+@dataclass
+class _Transfer:
+    action: Action
+    rank: int                                   # the other side's global rank (Action.peer is its position)
+    tensors: Tensors                            # send: what goes out; recv: the buffers
+    seq: int = 0                                # position in this step's posting (= link) order
+    works: list[Any] = field(default_factory=list)
+    done: bool = False
+
+
+class Wire:
+    """Posts a rank's comm steps and hands over what arrives (see the module notes).
+
+    Args:
+        device: where buffers live (CUDA for NCCL, CPU for Gloo).
+        global_rank: pipeline position -> global rank of this replica's peer.
+        stage_of: chunk -> the stage this rank runs as that chunk.
+        num_stages, microbatches: sizes of the schedule (they bound the tag space).
+        mode: ``tags`` or ``strict`` (Gloo); ignored with ``coalesce`` (NCCL is strict by nature).
+        coalesce: post each step as one ``batch_isend_irecv`` (default: when the backend is NCCL).
+        watcher: the :class:`~pipeengine.faults.Watch` that times every wait (default: the group's).
+    """
+
+    def __init__(self, device: torch.device, global_rank: Callable[[int], int], stage_of: Callable[[int], int],
+                 num_stages: int, microbatches: int, *, mode: str = "tags", coalesce: bool | None = None,
+                 group: Any = None, watcher: Watch | None = None) -> None:
+        if mode not in ("tags", "strict"):
+            raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
+        if coalesce is None:
+            coalesce = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        top = (3 * microbatches * num_stages) * 16
+        if mode == "tags" and not coalesce and top > MAX_TAG:
+            raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
+                             f"Gloo's {MAX_TAG}; use fewer microbatches or the 'strict' wire mode (one tag per pair)")
+        self.device, self.global_rank, self.stage_of, self.num_stages = device, global_rank, stage_of, num_stages
+        self.mode, self.coalesce, self.group = mode, coalesce, group
+        self.watch = watcher   # times every wait (faults.py); default: the process group's
+        self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
+        self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        self._group_rank: dict[int, int] = {}
+        self.begin_step()
+
+    # ------------------------------------------------------------------ per-step state
+
+    def begin_step(self) -> None:
+        """Forget the previous step's streams (shapes may change between steps, not within one)."""
+        self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
+        self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
+        self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
+        self._streams: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}      # producer stage -> agreed
+        self._sends: list[_Transfer] = []
+        self._last_step: list[_Transfer] = []
+        self._posted = 0                                                         # transfers posted so far
+
+    def put(self, kind: Kind, mb: int, chunk: int, value: Any) -> None:
+        """Hand over what the stage at ``chunk`` produced for microbatch ``mb``: F output or B input gradients."""
+        self._outgoing[(kind, mb, chunk)] = (False, tuple(value)) if kind is Kind.B else flatten(value)
+
+    # ------------------------------------------------------------------ posting
+
+    def _tag(self, a: Action) -> int | None:
+        """The first wire tag of a transfer in tags mode (its tensors take the next ones); None: one tag per pair."""
+        if self.mode == "strict" or self.coalesce:
+            return None
+        stage = self.stage_of(a.chunk)
+        producer = stage - 1 if a.kind in (Kind.RECV_F, Kind.RECV_H) else stage + (a.kind is Kind.RECV_B)
+        return 16 * (3 * (a.microbatch * self.num_stages + producer) + "FBH".index(a.kind.value[-1]))
+
+    def _send_tensors(self, a: Action) -> Tensors:
+        stage = self.stage_of(a.chunk)
+        if a.kind is Kind.SEND_B:
+            return self._outgoing.pop((Kind.B, a.microbatch, a.chunk))[1]
+        packed, tensors = self._outgoing[(Kind.F, a.microbatch, a.chunk)]
+        metas = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)
+        if a.kind is Kind.SEND_H:
+            self._sent[stage] = (a.microbatch, packed, metas)
+            return (encode_header(packed, metas, self.device),)
+        del self._outgoing[(Kind.F, a.microbatch, a.chunk)]
+        first, first_packed, first_metas = self._sent[stage]
+        if (packed, metas) != (first_packed, first_metas):
+            raise ValueError(f"stage {stage} output for microbatch {a.microbatch} is ({describe(metas)}) but for "
+                             f"microbatch {first} of this step it was ({describe(first_metas)}): all microbatches "
+                             f"of one step must share shapes and dtypes (pad them); they may change between steps")
+        return tensors
+
+    def _recv_buffers(self, a: Action) -> Tensors:
+        stage = self.stage_of(a.chunk)
+        if a.kind is Kind.RECV_H:
+            return (torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device),)
+        if a.kind is Kind.RECV_F:
+            metas = self._streams[stage - 1][1]
+        else:   # gradients of the floating-point activations this stage sent
+            metas = tuple(m for m in self._sent[stage][2] if m.dtype.is_floating_point)
+        return tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
+
+    def post(self, step: Step) -> None:
+        """Post one comm step (sends first, then receives, each in program order), after ``settle()``.
+        It waits only for a header step's header ([Note: the wire is the program])."""
+        self.settle()
+        transfers: list[_Transfer] = []
+        ops: list[tuple[_Transfer, torch.Tensor, int]] = []
+        seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
+        self._posted += len(step)
+        for a in sorted(step, key=lambda x: not x.kind.is_send):
+            tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
+            tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors),
+                           seqs[a], done=not tensors)
+            transfers.append(tr)
+            if a.kind.is_send:
+                self._sends.append(tr)
+            elif a.kind is not Kind.RECV_H:
+                self._incoming[(a.kind, a.microbatch, a.chunk)] = tr
+            base = self._tag(a)
+            ops += [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
+        self._issue(ops)
+        self._last_step = transfers if self.mode == "strict" and not self.coalesce else []
+        for tr in transfers:
+            if tr.action.kind is Kind.RECV_H:
+                self._complete(tr)
+                self._streams[self.stage_of(tr.action.chunk) - 1] = decode_header(tr.tensors[0])
+
+    def settle(self) -> bool:
+        """Complete what the proven program completes before the next comm step: Gloo's earlier sends
+        ([Note: buffer lifetimes]), strict mode's last step ([Note: modes]). Whether it had to wait."""
+        pending = [tr for tr in self._last_step + ([] if self.coalesce else self._sends) if not tr.done]
+        for tr in pending:
+            self._complete(tr)
+        self._last_step = []   # (the completed sends are dropped by the next poll())
+        return bool(pending)
+
+    def _issue(self, ops: list[tuple[_Transfer, torch.Tensor, int]]) -> None:
+        if self.log is not None:
+            self.log += [(str(tr.action), "send" if tr.action.kind.is_send else "recv", tr.rank, tag,
+                          t.numel() * t.element_size()) for tr, t, tag in ops]
+        if not ops:
+            return
+        if self.coalesce:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if tr.action.kind.is_send else dist.irecv, t,
+                                                       tr.rank, self.group, tag) for tr, t, tag in ops])
+            for i, (tr, _, _) in enumerate(ops):   # Gloo: a work per op (never wait one twice); NCCL: one for all
+                tr.works = tr.works + [works[i]] if len(works) == len(ops) else list(works)
+            return
+        for tr, t, tag in ops:   # Gloo: each op on its own, started directly on the process group
+            if tr.rank not in self._group_rank:
+                self._group_rank[tr.rank] = dist.get_group_rank(self._pg, tr.rank)
+            fn = self._pg.send if tr.action.kind.is_send else self._pg.recv
+            tr.works.append(fn([t], self._group_rank[tr.rank], tag))
+
+    # ------------------------------------------------------------------ completion
+
+    def _complete(self, tr: _Transfer) -> None:
+        if tr.done:
+            return
+        watcher = self.watch or watch()
+        for w in tr.works:   # on CUDA the compute stream waits, not the host (see [Note: modes])
+            watcher.wait(w, (tr.action,), [tr.rank], cuda=self.device.type == "cuda", error=P2PTimeout)
+        tr.done = True
+
+    def take(self, kind: Kind, mb: int, chunk: int) -> Any:
+        """Wait for a posted receive and hand its tensors over (the wire keeps no reference): ``recvF``
+        what the producer stage returned (a Tensor or a tuple), ``recvB`` the gradients of its outputs."""
+        tr = self._incoming.pop((kind, mb, chunk))
+        self._complete(tr)
+        for send in self._sends:   # see [Note: buffer lifetimes]
+            if send.rank == tr.rank and send.seq < tr.seq:
+                self._complete(send)
+        self.poll()
+        if kind is Kind.RECV_B:
+            return tr.tensors
+        packed = self._streams[self.stage_of(chunk) - 1][0]
+        return tr.tensors if packed else tr.tensors[0]
+
+    def poll(self) -> None:
+        """Release sends known to be complete (never waits): waited on, or finished on NCCL (Gloo's works can't say)."""
+        self._sends = [tr for tr in self._sends if not (tr.done or (
+            self.coalesce and tr.works and all(w.is_completed() for w in tr.works)))]
+
+    def finish(self) -> None:
+        """Wait until every send of the step completed and release it."""
+        for tr in self._sends:
+            self._complete(tr)
+        self._sends = []
+        self._last_step = []
+        leftover = [str(k) for k in self._incoming] + [str(k) for k in self._outgoing]
+        assert not leftover, f"step ended with transfers never used: {leftover}"
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """Every buffer the wire holds right now (sends in flight, receives not yet taken)."""
+        return [t for tr in [*self._sends, *self._incoming.values()] for t in tr.tensors] + [
+            t for _, ts in self._outgoing.values() for t in ts]

@@ -1,0 +1,199 @@
+"""Schedule builders from integers (GPipe, 1F1B, interleaved 1F1B, zero-bubble H1, forward-only); compile; closed forms.
+
+A builder returns, per position, the order of its compute actions; :func:`compile_schedule` lowers
+it with paired communication (lower.py) and proves it (verify.py): the exact program the engine runs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .actions import Action, Kind, Schedule, steps_of
+from .costs import Costs
+from .lower import lower
+from .simulate import simulate
+from .verify import validate
+
+__all__ = ["SCHEDULES", "build_schedule", "compile_schedule", "theoretical_bubble",
+           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "forward_only"]
+
+Program = list[Action]
+
+
+def _F(mb: int, chunk: int = 0) -> Action:
+    return Action(Kind.F, mb, chunk)
+
+
+def _B(mb: int, chunk: int = 0) -> Action:
+    return Action(Kind.B, mb, chunk)
+
+
+def _W(mb: int, chunk: int = 0) -> Action:
+    return Action(Kind.W, mb, chunk)
+
+
+def gpipe(pp: int, microbatches: int) -> list[Program]:
+    """All forwards, then all backwards: holds every microbatch's activations (m) at once."""
+    return [[_F(k) for k in range(microbatches)] + [_B(k) for k in range(microbatches)] for _ in range(pp)]
+
+
+def forward_only(pp: int, microbatches: int, chunks: int = 1) -> list[Program]:
+    """Forwards only (evaluation): every chunk of every microbatch, in microbatch order."""
+    return [[_F(k, c) for k in range(microbatches) for c in range(chunks)] for _ in range(pp)]
+
+
+def one_f_one_b(pp: int, microbatches: int) -> list[Program]:
+    """PipeDream-flush 1F1B: position r warms up with min(pp-r-1, m) forwards, then alternates F and B.
+
+    Position r therefore never holds more than min(pp-r, m) microbatches' activations, against m for GPipe.
+    """
+    progs = []
+    for r in range(pp):
+        warm = min(pp - r - 1, microbatches)
+        prog = [_F(k) for k in range(warm)]
+        for k in range(microbatches - warm):
+            prog += [_F(warm + k), _B(k)]
+        prog += [_B(k) for k in range(microbatches - warm, microbatches)]
+        progs.append(prog)
+    return progs
+
+
+def zb_h1(pp: int, microbatches: int, lag_w: bool = True) -> list[Program]:
+    """Zero-bubble H1: 1F1B with backward split into B (input grad) and W (weight grad).
+
+    Only B is on the critical path back through the pipeline, so gradients reach earlier stages
+    sooner; each W is deferred to fill time that 1F1B leaves idle in the cooldown. Two orderings:
+
+    - ``lag_w=True`` (the paper's H1): position r lets its W's lag its B's by r microbatches, so
+      its in-flight activations peak at min(pp-r-1, m) + 1 + r <= pp, 1F1B's peak at position 0. With
+      uniform costs (f = b = w) the makespan is m(f+b+w) + (p-1)(f+b-w).
+    - ``lag_w=False``: W right after B in the steady phase, cooldown alternates B and W. Peak
+      per position equals 1F1B's; strictly faster than 1F1B for every cost with w > 0, but it
+      saves less than H1 when costs are near uniform.
+
+    :func:`compile_schedule` simulates both under the given costs and keeps the faster.
+    """
+    progs = []
+    for r in range(pp):
+        warm = min(pp - r - 1, microbatches)
+        lag = r if lag_w else 0
+        prog = [_F(k) for k in range(warm)]
+        next_w = 0
+        for k in range(microbatches - warm):
+            prog += [_F(warm + k), _B(k)]
+            if k - lag >= 0:
+                prog.append(_W(next_w))
+                next_w += 1
+        for k in range(microbatches - warm, microbatches):
+            prog.append(_B(k))
+            if next_w <= k:
+                prog.append(_W(next_w))
+                next_w += 1
+        prog += [_W(k) for k in range(next_w, microbatches)]
+        progs.append(prog)
+    return progs
+
+
+def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[Program]:
+    """Megatron's interleaved 1F1B: each position holds ``chunks`` stages (chunk c of position r is stage c*pp + r).
+
+    Microbatches go through in groups of pp: each group runs chunk 0 on all its microbatches,
+    then chunk 1, ...; backward visits chunks in reverse. Position r warms up with
+    2*(pp-r-1) + (chunks-1)*pp forwards (capped at m*chunks), then alternates F and B. With
+    stage costs 1/chunks of a position's share, the bubble time shrinks by the factor ``chunks``.
+    """
+    if chunks < 2:
+        raise ValueError(f"interleaved-1f1b needs chunks >= 2 (got {chunks}); use 1f1b for one chunk")
+    if pp > 1 and microbatches % pp:
+        below = microbatches - microbatches % pp   # nearest multiples of pp; 0 (below pp) is no choice
+        nearby = " or ".join(str(n) for n in (below, below + pp) if n >= pp)
+        raise ValueError(
+            f"interleaved-1f1b needs microbatches to be a multiple of pp (got microbatches={microbatches}, "
+            f"pp={pp}): microbatches go through in groups of pp; use microbatches={nearby}, "
+            f"or the 1f1b schedule")
+    order_f: list[tuple[int, int]] = []
+    order_b: list[tuple[int, int]] = []
+    for g in range(0, microbatches, pp):
+        group = range(g, min(g + pp, microbatches))
+        order_f += [(mb, c) for c in range(chunks) for mb in group]
+        order_b += [(mb, c) for c in reversed(range(chunks)) for mb in group]
+    total = len(order_f)
+    progs = []
+    for r in range(pp):
+        warm = min(total, 2 * (pp - r - 1) + (chunks - 1) * pp)
+        prog = [_F(*order_f[k]) for k in range(warm)]
+        for k in range(total - warm):
+            prog += [_F(*order_f[warm + k]), _B(*order_b[k])]
+        prog += [_B(*order_b[k]) for k in range(total - warm, total)]
+        progs.append(prog)
+    return progs
+
+
+SCHEDULES: dict[str, str] = {
+    "gpipe": "all forwards then all backwards (GPipe); holds m microbatches",
+    "1f1b": "one-forward-one-backward (PipeDream-flush); holds at most pp-r at position r",
+    "interleaved-1f1b": "Megatron interleaved 1F1B over --chunks stages per position",
+    "zb-h1": "zero-bubble H1: backward split into B and W, same peak memory as 1F1B",
+    "forward": "forward only (evaluation)",
+}
+
+
+def build_schedule(name: str, pp: int, microbatches: int, chunks: int = 1, *, lag_w: bool = True) -> Schedule:
+    """A compute-only schedule by name (see ``SCHEDULES``); ValueError says what would work."""
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be an integer >= 1 (got {pp!r})")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1 (got {microbatches!r})")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1 (got {chunks!r})")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if chunks != 1 and name not in ("interleaved-1f1b", "forward"):
+        raise ValueError(f"schedule {name!r} runs one stage per position (got chunks={chunks}); "
+                         f"use interleaved-1f1b for several chunks per position")
+    builders: dict[str, Callable[[], list[Program]]] = {
+        "gpipe": lambda: gpipe(pp, microbatches),
+        "1f1b": lambda: one_f_one_b(pp, microbatches),
+        "interleaved-1f1b": lambda: interleaved_1f1b(pp, microbatches, chunks),
+        "zb-h1": lambda: zb_h1(pp, microbatches, lag_w),
+        "forward": lambda: forward_only(pp, microbatches, chunks),
+    }
+    programs = [steps_of(p) for p in builders[name]()]
+    return Schedule(name, pp, microbatches, chunks, programs, forward_only=name == "forward")
+
+
+def compile_schedule(name: str, pp: int, microbatches: int, chunks: int = 1,
+                     costs: Costs | None = None) -> Schedule:
+    """Build, lower and validate: the exact program the engine runs.
+
+    ``costs`` (per stage; default uniform f = b = w) order the communication: the schedule is
+    lowered with them (see :func:`lower`). For zb-h1 both W orderings are lowered and simulated
+    with them and the faster one kept (ties go to the paper's H1).
+    """
+    lowered = lower(build_schedule(name, pp, microbatches, chunks), costs)
+    validate(lowered)
+    if name == "zb-h1":
+        alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False), costs)
+        validate(alt)
+        c = costs or Costs()
+        if simulate(alt, c).makespan < simulate(lowered, c).makespan:
+            return alt
+    return lowered
+
+
+def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int = 1,
+                       costs: Costs | None = None) -> float:
+    """Closed-form idle fraction for uniform stages and free communication.
+
+    gpipe / 1f1b / forward: (p-1)/(m+p-1). interleaved-1f1b: (p-1)/(v*m+p-1) (bubble time
+    divided by v). zb-h1: idle (p-1)*(f+b-w) per position over makespan m*(f+b+w) + (p-1)*(f+b-w),
+    valid while w <= f + b (the zero-bubble paper's H1 figure).
+    """
+    p, m, v = pp, microbatches, chunks
+    if name == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb-h1":
+        c = costs or Costs()
+        idle = (p - 1) * (c.f + c.b - c.w)
+        return float(idle / (m * (c.f + c.b + c.w) + idle))
+    return (p - 1) / (m + p - 1)

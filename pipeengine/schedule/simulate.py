@@ -1,0 +1,245 @@
+"""Simulation: run a lowered schedule with per-action costs under the engine's or the strictest comm semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .actions import Action, Kind, Schedule, Step
+from .costs import Costs, per_position
+from .dataflow import partner, raise_cycle
+from .lower import lower
+
+__all__ = ["SimResult", "simulate", "in_flight_peaks"]
+
+Interval = tuple[float, float, Step]
+
+
+@dataclass
+class SimResult:
+    """What the simulator measured, per position. Bubbles are idle fractions of the makespan."""
+
+    makespan: float
+    busy: list[float]
+    peak_in_flight: list[int]
+    intervals: list[list[Interval]] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> list[float]:
+        return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
+
+    @property
+    def mean_bubble(self) -> float:
+        return sum(self.bubble) / len(self.busy)
+
+
+def in_flight_peaks(schedule: Schedule) -> list[int]:
+    """Per position, the peak count of (microbatch, chunk) activations held: from F until B (or W when split)."""
+    if schedule.forward_only:
+        return [0] * schedule.pp
+    release = Kind.W if schedule.split_backward else Kind.B
+    peaks = []
+    for p in range(schedule.pp):
+        held = peak = 0
+        for a in schedule.compute_actions(p):
+            held += 1 if a.kind is Kind.F else -1 if a.kind is release else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "async") -> SimResult:
+    """Execute a schedule with per-action ``costs`` (one for all positions, or one per position); raise
+    DeadlockError naming the cycle if stuck. An unlowered schedule is lowered with ``costs`` first.
+
+    ``mode="async"`` is how the engine runs: posting a comm batch never blocks compute; each
+    position's batches go through one in-order comm queue (like an NCCL stream), a batch starts
+    when it is at the head of its queue and completes when every partner batch has started too
+    (plus ``costs.comm``); a compute waits only for the batch that carries its input.
+    ``mode="rendezvous"`` is the strictest semantics (every batch blocks its position until
+    matched): ``validate`` proves freedom from deadlock under it.
+    """
+    if not schedule.lowered:
+        schedule = lower(schedule, costs)
+    if mode == "rendezvous":
+        return _Rendezvous(schedule, costs).run()
+    if mode != "async":
+        raise ValueError(f"mode must be 'async' or 'rendezvous' (got {mode!r})")
+    return _Async(schedule, costs).run()
+
+
+class _Run:
+    """State both simulations share: programs, costs, clocks, matched comm pairs, timed intervals."""
+
+    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs]) -> None:
+        self.schedule = schedule
+        self.n = schedule.pp
+        self.costs = per_position(costs, self.n)
+        self.split = schedule.split_backward
+        self.progs = schedule.programs
+        self.where: list[dict[Action, int]] = [{a: i for i, step in enumerate(p) for a in step} for p in self.progs]
+        self.partners: list[dict[Action, Action]] = [
+            {a: partner(schedule, p, a) for step in prog for a in step if not a.kind.is_compute}
+            for p, prog in enumerate(self.progs)]
+        self.pc = [0] * self.n
+        self.clock = [0.0] * self.n
+        self.busy = [0.0] * self.n
+        self.matched: dict[tuple[int, Action], float] = {}
+        self.intervals: list[list[Interval]] = [[] for _ in self.progs]
+
+    def compute(self, p: int, step: Step, ready: float) -> None:
+        d = self.costs[p].of(step[0].kind, self.split)
+        self.intervals[p].append((ready, ready + d, step))
+        self.clock[p] = ready + d
+        self.busy[p] += d
+
+    def unmatched(self, p: int, index: int) -> Action:
+        return next(a for a in self.progs[p][index] if (p, a) not in self.matched)
+
+
+class _Rendezvous(_Run):
+    """Blocking semantics: a position stops at each comm batch until its peers posted every partner op."""
+
+    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs]) -> None:
+        super().__init__(schedule, costs)
+        self.posted: list[float | None] = [None] * self.n
+
+    def run(self) -> SimResult:
+        progress = True
+        while progress:
+            progress = False
+            for p in range(self.n):
+                while self.pc[p] < len(self.progs[p]):
+                    step = self.progs[p][self.pc[p]]
+                    if step[0].kind.is_compute:
+                        self.compute(p, step, self.clock[p])
+                    else:
+                        if self.posted[p] is None:   # posting is progress: a peer may now match it
+                            self.posted[p] = self.clock[p]
+                            progress = True
+                        if not self._comm(p, step):
+                            break
+                    self.pc[p] += 1
+                    progress = True
+        stuck = [p for p in range(self.n) if self.pc[p] < len(self.progs[p])]
+        if stuck:
+            waits: dict[int, tuple[int, str]] = {}
+            for p in stuck:
+                step = self.progs[p][self.pc[p]]
+                a = self.unmatched(p, self.pc[p])
+                waits[p] = (a.peer, f"position {p} blocked at step {self.pc[p]} ({'+'.join(map(str, step))}) "
+                                    f"waiting for position {a.peer} to post {self.partners[p][a]}")
+            raise_cycle(self.schedule, waits, {p: self.pc[p] for p in waits})
+        return SimResult(max(self.clock, default=0.0), self.busy, in_flight_peaks(self.schedule), self.intervals)
+
+    def _comm(self, p: int, step: Step) -> bool:
+        """Match the posted batch at ``p``'s program counter with its peers; True when it completed."""
+        post_p = self.posted[p]
+        assert post_p is not None
+        for a in step:
+            if (p, a) in self.matched:
+                continue
+            q, other = a.peer, self.partners[p][a]
+            post_q = self.posted[q]
+            if post_q is not None and self.where[q].get(other) == self.pc[q]:
+                self.matched[(p, a)] = self.matched[(q, other)] = max(post_p, post_q) + self.costs[p].comm
+        if not all((p, a) in self.matched for a in step):
+            return False
+        end = max([self.clock[p]] + [self.matched[(p, a)] for a in step])
+        self.intervals[p].append((post_p, end, step))
+        self.clock[p] = end
+        self.posted[p] = None
+        return True
+
+
+class _Async(_Run):
+    """The engine's semantics: computes post comm batches without blocking; one in-order comm queue per position."""
+
+    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs]) -> None:
+        super().__init__(schedule, costs)
+        self.needs: list[dict[int, int]] = [{} for _ in self.progs]   # compute step -> the step of its recv
+        for p, prog in enumerate(self.progs):
+            for i, step in enumerate(prog):
+                for a in step:
+                    if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                        consumer = Action(Kind.F if a.kind is Kind.RECV_F else Kind.B, a.microbatch, a.chunk)
+                        self.needs[p][self.where[p][consumer]] = i
+        self.comm_steps = [[i for i, st in enumerate(prog) if not st[0].kind.is_compute] for prog in self.progs]
+        self.posted: list[dict[int, float]] = [{} for _ in self.progs]   # comm step -> post time
+        self.head = [0] * self.n                                          # index into comm_steps[p]
+        self.head_free = [0.0] * self.n                                   # when the previous batch completed
+        self.done: list[dict[int, float]] = [{} for _ in self.progs]     # comm step -> completion time
+
+    def run(self) -> SimResult:
+        progress = True
+        while progress:
+            progress = False
+            for p in range(self.n):
+                progress = self._compute_side(p) | progress
+                progress = self._comm_side(p) | progress
+        if any(self.pc[p] < len(self.progs[p]) or self.head[p] < len(self.comm_steps[p]) for p in range(self.n)):
+            self._deadlock()
+        makespan = max([0.0] + [e for row in self.intervals for _, e, _ in row])
+        return SimResult(makespan, self.busy, in_flight_peaks(self.schedule), self.intervals)
+
+    def _compute_side(self, p: int) -> bool:
+        """Post batches and run computes until one waits for a receive; whether anything moved."""
+        moved = False
+        while self.pc[p] < len(self.progs[p]):
+            step = self.progs[p][self.pc[p]]
+            if not step[0].kind.is_compute:
+                self.posted[p][self.pc[p]] = self.clock[p]
+            else:
+                ready = self.clock[p]
+                if self.pc[p] in self.needs[p]:
+                    recv = self.needs[p][self.pc[p]]
+                    if recv not in self.done[p]:
+                        break
+                    ready = max(ready, self.done[p][recv])
+                self.compute(p, step, ready)
+            self.pc[p] += 1
+            moved = True
+        return moved
+
+    def head_start(self, p: int) -> float | None:
+        """When the batch at the head of ``p``'s comm queue starts (None: not posted yet, or the queue is empty)."""
+        if self.head[p] >= len(self.comm_steps[p]) or self.comm_steps[p][self.head[p]] not in self.posted[p]:
+            return None
+        return max(self.posted[p][self.comm_steps[p][self.head[p]]], self.head_free[p])
+
+    def _comm_side(self, p: int) -> bool:
+        """Complete head batches whose partners are at the head of their queues too; whether any completed."""
+        moved = False
+        while (start := self.head_start(p)) is not None:
+            idx = self.comm_steps[p][self.head[p]]
+            for a in self.progs[p][idx]:
+                if (p, a) in self.matched:
+                    continue
+                q, other = a.peer, self.partners[p][a]
+                start_q = self.head_start(q)
+                if start_q is not None and self.comm_steps[q][self.head[q]] == self.where[q].get(other):
+                    self.matched[(p, a)] = self.matched[(q, other)] = max(start, start_q) + self.costs[p].comm
+            if not all((p, a) in self.matched for a in self.progs[p][idx]):
+                break
+            end = max([start] + [self.matched[(p, a)] for a in self.progs[p][idx]])
+            self.intervals[p].append((start, end, self.progs[p][idx]))
+            self.done[p][idx] = self.head_free[p] = end
+            self.head[p] += 1
+            moved = True
+        return moved
+
+    def _deadlock(self) -> None:
+        waits: dict[int, tuple[int, str]] = {}
+        at: dict[int, int] = {}
+        for p in range(self.n):
+            if self.head[p] < len(self.comm_steps[p]) and self.head_start(p) is not None:
+                idx = self.comm_steps[p][self.head[p]]
+                a = self.unmatched(p, idx)
+                waits[p] = (a.peer, f"position {p}'s comm queue is stuck at step {idx} "
+                                    f"({'+'.join(map(str, self.progs[p][idx]))}) waiting for position {a.peer} "
+                                    f"to post {self.partners[p][a]}")
+                at[p] = idx
+            elif self.pc[p] < len(self.progs[p]):
+                waits[p] = (p, f"position {p} waits at step {self.pc[p]} for its own receive")
+                at[p] = self.pc[p]
+        raise_cycle(self.schedule, waits, at)

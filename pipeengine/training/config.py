@@ -1,0 +1,381 @@
+"""The trainer's settings, defined once: one dataclass per concern, one ``setting(...)`` per option (torch-free).
+
+Each setting carries its default, help text, command-line flag and check; the command line,
+``--help``, ``--config`` TOML, ``--print-config`` (cli.py) and the checks are all generated from
+these declarations, so a value is checked the same way whether it came from a flag or a file.
+:meth:`Config.resolve` then checks what involves several settings or the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from ..runtime.options import (ON_NONFINITE, PRECISIONS, WIRE_MODES, check_grad_clip, check_timeout,
+                               parse_recompute)
+from ..runtime.topology import Topology
+from ..schedule.builders import SCHEDULES
+
+__all__ = ["Config", "ModelConfig", "DataConfig", "ParallelConfig", "ScheduleConfig", "OptimizerConfig",
+           "PrecisionConfig", "RecomputeConfig", "SavingConfig", "FaultsConfig", "LoggingConfig", "Setting",
+           "settings", "flat_config", "MODELS", "TRAINING_SCHEDULES"]
+
+MODELS = ("gpt", "resnet", "mlp")
+TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "forward")
+Check = Callable[[str, Any], Any]   # (the setting's name as the user knows it, value) -> value, or ValueError
+
+
+def setting(default: Any, help: str, *, flag: str | None = None, short: str | None = None,
+            choices: Sequence[str] | None = None, check: Check | None = None, metavar: str | None = None,
+            aliases: Sequence[str] = ()) -> Any:
+    """A field of a section: its default, its help, and how the command line and files give it."""
+    meta = {"help": help, "flag": flag, "short": short, "choices": tuple(choices) if choices else None,
+            "check": check, "metavar": metavar, "aliases": tuple(aliases)}
+    return field(default=default, metadata=meta)
+
+
+# ------------------------------------------------------------------ checks of one value
+
+def at_least(low: int, what: str | None = None) -> Check:
+    """A whole number >= ``low`` (``what`` says it in words: "a positive number of examples")."""
+    def check(name: str, value: Any) -> Any:
+        if value is not None and value < low:
+            raise ValueError(f"{name} must be {what or f'>= {low}'} (got {value})")
+        return value
+    return check
+
+
+def finite(low: float = -math.inf, *, above: bool = False, what: str = "number") -> Check:
+    """A finite number >= ``low`` (> ``low`` with ``above``)."""
+    def check(name: str, value: Any) -> Any:
+        if value is None:
+            return value
+        if not math.isfinite(value) or (value <= low if above else value < low):
+            wanted = (f"a positive {what}" if above and low == 0 else
+                      f"a finite {what} {'>' if above else '>='} {low:g}")
+            raise ValueError(f"{name} must be {wanted} (got {value:g})")
+        return value
+    return check
+
+
+def _seed(name: str, value: Any) -> Any:
+    if not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be a whole number from 0 to 2**63 - 1 (got {value})")
+    return value
+
+
+def _grad_clip(name: str, value: Any) -> Any:
+    if value is not None and math.isfinite(value) and value <= 0:
+        return None   # "<= 0: off"
+    return check_grad_clip(name, value)
+
+
+def _recompute(name: str, value: Any) -> Any:
+    parse_recompute(value, name)
+    return value
+
+
+def _timeout(name: str, value: Any) -> Any:
+    return check_timeout(name, value)
+
+
+def _partition(name: str, value: Any) -> Any:
+    partition_arg(value, name)
+    return value
+
+
+def partition_arg(value: str, name: str = "--partition") -> str | list[int]:
+    """``--partition`` for the engine: a method name, or explicit stage bounds."""
+    if value in ("profile", "parameters", "uniform"):
+        return value
+    try:
+        return [int(b) for b in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be profile, parameters, uniform or stage bounds like 0,3,6,10 (got "
+                         f"{value!r})") from None
+
+
+# ------------------------------------------------------------------ the sections
+
+@dataclass
+class ModelConfig:
+    """What to train."""
+
+    name: str = setting("gpt", "model to train (models/, installed as pipeengine.models)", flag="--model",
+                        choices=MODELS)
+    preset: str = setting("tiny", "the model's named size")
+    seed: int = setting(1234, "seed of the weights and the data order", check=_seed)
+
+
+@dataclass
+class DataConfig:
+    """What it trains on, and how much per step."""
+
+    path: str | None = setting(None, "gpt: a text file or folder; resnet: an ImageFolder root (None: a byte "
+                                     "corpus / FakeData made locally)", flag="--data")
+    micro_batch_size: int = setting(4, "examples per microbatch", short="-b", check=at_least(1))
+    global_batch: int | None = setting(None, "examples per optimizer step over all replicas (sets "
+                                             "--micro-batch-size)", check=at_least(1, "a positive number of examples"))
+
+
+@dataclass
+class ParallelConfig:
+    """How the processes split the work."""
+
+    pp: int | None = setting(None, "pipeline positions (None: all processes)", check=at_least(1))
+    dp: int | None = setting(None, "data-parallel replicas (None: world / pp)", check=at_least(1))
+    device: str = setting("auto", "where to run", choices=("auto", "cpu", "cuda"))
+    backend: str = setting("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
+    wire: str = setting("tags", "Gloo: tags (transfers matched by tag, receives left running) or strict (NCCL's "
+                                "semantics emulated: one tag per pair, each comm step completes before the next: "
+                                "what hangs on NCCL hangs here); NCCL always coalesces each step",
+                        choices=WIRE_MODES)
+
+
+@dataclass
+class ScheduleConfig:
+    """The pipeline schedule and the split of the layers into stages."""
+
+    name: str = setting("1f1b", "the pipeline schedule", flag="--schedule", choices=TRAINING_SCHEDULES)
+    chunks: int = setting(0, "stages per position (0: 2 for interleaved-1f1b, else 1)", check=at_least(0))
+    microbatches: int = setting(4, "microbatches per step per replica", short="-m", check=at_least(1))
+    partition: str = setting("profile", "stage bounds: profile (time every layer's F, B and W on the first "
+                                        "microbatch, in parallel over the ranks, and take the split whose simulated "
+                                        "step is shortest; printed at start), parameters (balance parameter counts), "
+                                        "uniform (layer counts), or explicit bounds 0,b1,...,L",
+                             check=_partition, metavar="profile|parameters|uniform|B0,B1,...")
+    memory_cap: float | None = setting(None, "with --partition profile: leave out splits whose estimated peak memory "
+                                             "at a position (4 x its parameters + its activations in flight) exceeds "
+                                             "this", check=finite(0, above=True, what="number of GiB"), metavar="GiB")
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer and its learning-rate schedule: linear warmup, then cosine decay to min_lr."""
+
+    name: str = setting("adamw", "optimizer", flag="--optimizer", choices=("adamw", "sgd"))
+    steps: int = setting(50, "optimizer steps", check=at_least(1))
+    lr: float = setting(3e-3, "peak learning rate (after warmup)", check=finite(0, above=True))
+    min_lr: float = setting(3e-4, "final learning rate of the cosine decay", check=finite(0))
+    warmup: int = setting(5, "linear warmup steps", check=at_least(0))
+    weight_decay: float = setting(0.0, "weight decay", check=finite(0))
+    grad_clip: float | None = setting(1.0, "global grad-norm clip (<= 0: off)", check=_grad_clip)
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of compute and of what travels between stages."""
+
+    mode: str = setting("fp32", "bf16: autocast, activations between stages in bf16, fp32 parameters, gradients "
+                                "and optimizer state; fp16: the same with a dynamic loss scale, CUDA only",
+                        flag="--precision", choices=PRECISIONS)
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recompute: memory for compute."""
+
+    policy: str = setting("none", "recompute a stage's layers in B instead of keeping their activations: none, "
+                                  "full (the whole stage) or every:K (every K layers); --checkpoint is its old name",
+                          flag="--recompute", aliases=("--checkpoint",), check=_recompute,
+                          metavar="none|full|every:K")
+
+
+@dataclass
+class SavingConfig:
+    """Checkpoints (saved training state) and resuming."""
+
+    interval: int = setting(0, "save a checkpoint every N steps and after the last step (0: never)",
+                            flag="--save-interval", check=at_least(0), metavar="N")
+    dir: str = setting("checkpoints", "checkpoint directory", flag="--save-dir")
+    keep: int = setting(3, "keep the newest K checkpoints (0: all)", check=at_least(0))
+    resume: str | None = setting(None, "resume from PATH (a checkpoint or a save directory) or, without PATH, from "
+                                       "the newest complete checkpoint in --save-dir if there is one (else start at "
+                                       "step 0); a group restarted by torchrun (pipe.sh --max-restarts) does this by "
+                                       "itself. With --partition profile the checkpoint's stage bounds are reused "
+                                       "when pp and chunks match", metavar="PATH")
+    on_exit: bool = setting(False, "on Ctrl-C or SIGTERM, finish the step in progress on every rank and save a "
+                                   "checkpoint", flag="--save-on-exit")
+    background: bool = setting(False, "write checkpoints in the background (torch.distributed.checkpoint."
+                                      "async_save): a save costs the step a copy of the state to host memory (and the "
+                                      "previous save's end, if it is still writing); it becomes visible at the next "
+                                      "save or at the end", flag="--async-save")
+
+
+@dataclass
+class FaultsConfig:
+    """What happens when something goes wrong."""
+
+    timeout: float | None = setting(None, "seconds a wait may take before every rank's wait is reported and the job "
+                                          "ends (None: 600 until the first step, then max(60, 20 x the median step))",
+                                    check=_timeout)
+    on_nonfinite: str = setting("stop", "a NaN/inf loss or gradient: stop and name the stage, or skip the update",
+                                choices=ON_NONFINITE)
+
+
+@dataclass
+class LoggingConfig:
+    """What the run shows and writes."""
+
+    dir: str = setting("runs", "TensorBoard root", flag="--log-dir")
+    run_name: str | None = setting(None, "sub-directory of --log-dir (None: model-schedule-layout-time)")
+    eval_interval: int = setting(25, "validate every N steps (0: only at the end)", check=at_least(0))
+    log_interval: int = setting(0, "a progress line (when not on a terminal) and every rank's timings (bubble, "
+                                   "per-position views) every N steps; loss and throughput go to TensorBoard every "
+                                   "step (0: steps / 50, about 50 lines)", check=at_least(0))
+    quiet: bool = setting(False, "no progress output; errors and the summary")
+    timeline_interval: int = setting(25, "also log the pipeline timeline image every N steps (it is always logged "
+                                         "for the first step after warm-up and the last; 0: only those)",
+                                     check=at_least(0))
+    trace_step: int | None = setting(None, "write a Chrome/Perfetto trace of this step", check=at_least(0))
+
+
+@dataclass
+class Config:
+    """Everything a training run needs; build it with cli.parse_args, check it with :meth:`resolve`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    saving: SavingConfig = field(default_factory=SavingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def resolve(self, world_size: int) -> Topology:
+        """Check what involves several settings or the world; fill the derived ones (chunks, log interval,
+        microbatch size); return the PP x DP grid. A ValueError names the flags and how to fix them."""
+        for s in settings():
+            s.set(self, s.checked(s.get(self)))
+        sch, opt, log = self.schedule, self.optimizer, self.logging
+        if sch.chunks == 0:
+            sch.chunks = 2 if sch.name == "interleaved-1f1b" else 1
+        if sch.name == "interleaved-1f1b" and sch.chunks < 2:
+            raise ValueError(f"--schedule interleaved-1f1b needs --chunks >= 2 (got {sch.chunks}); use 1f1b for "
+                             f"one stage per position")
+        if sch.name != "interleaved-1f1b" and sch.chunks != 1:
+            raise ValueError(f"--schedule {sch.name} runs one stage per position (got --chunks {sch.chunks}); use "
+                             f"interleaved-1f1b for several")
+        if sch.memory_cap is not None and sch.partition != "profile":
+            raise ValueError("--memory-cap is planned for by --partition profile only; drop it or use profile")
+        if opt.min_lr > opt.lr:
+            raise ValueError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}; the cosine decay ends at --min-lr")
+        if log.trace_step is not None and not 0 <= log.trace_step < opt.steps:
+            raise ValueError(f"--trace-step {log.trace_step} is not one of the run's steps 0..{opt.steps - 1}")
+        if log.log_interval == 0:
+            log.log_interval = max(1, opt.steps // 50)
+        topo = self._topology(world_size)
+        if self.data.global_batch is not None:
+            per_step = topo.dp * sch.microbatches
+            if self.data.global_batch % per_step:
+                raise ValueError(f"--global-batch {self.data.global_batch} is not divisible by dp={topo.dp} x "
+                                 f"microbatches={sch.microbatches} = {per_step}; use a multiple of {per_step}")
+            self.data.micro_batch_size = self.data.global_batch // per_step
+        return topo
+
+    def _topology(self, world_size: int) -> Topology:
+        pp, dp = self.parallel.pp, self.parallel.dp
+        if pp is not None and world_size % pp:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"world size {world_size} is not divisible by --pp {pp}; use --pp in {divisors} or "
+                             f"launch a multiple of {pp} processes")
+        try:
+            return Topology.from_world(world_size, pp=pp, dp=dp)
+        except ValueError as exc:
+            raise ValueError(f"bad --pp/--dp for {world_size} processes: {exc}") from None
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step."""
+        opt = self.optimizer
+        if step < opt.warmup:
+            return opt.lr * (step + 1) / opt.warmup
+        progress = (step - opt.warmup) / max(1, opt.steps - opt.warmup)
+        return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every setting by section (the form summaries and checkpoint manifests record)."""
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat key (the flag's name, ``micro_batch_size``)."""
+        return {s.key: s.get(self) for s in settings()}
+
+
+# ------------------------------------------------------------------ the settings as a flat list
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: where it lives (section, field), how the command line names it, how it is checked."""
+
+    section: str
+    name: str
+    type: str           # "int", "float", "str" or "bool"
+    optional: bool      # None allowed
+    default: Any
+    help: str
+    flag: str
+    short: str | None
+    aliases: tuple[str, ...]
+    choices: tuple[str, ...] | None
+    check: Check | None
+    metavar: str | None
+
+    @property
+    def key(self) -> str:
+        """The flat name used in old TOML files and in messages: the flag without its dashes."""
+        return self.flag[2:].replace("-", "_")
+
+    def get(self, cfg: Config) -> Any:
+        return getattr(getattr(cfg, self.section), self.name)
+
+    def set(self, cfg: Config, value: Any) -> None:
+        setattr(getattr(cfg, self.section), self.name, value)
+
+    def checked(self, value: Any, name: str | None = None) -> Any:
+        """``value`` if this setting allows it (choices, range); else ValueError naming ``name`` (the flag)."""
+        name = name or self.flag
+        if value is None:
+            if not self.optional:
+                raise ValueError(f"{name} needs a value")
+            return None
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{name} {value!r} is not one of {', '.join(self.choices)}")
+        return self.check(name, value) if self.check is not None else value
+
+
+_SECTIONS: tuple[tuple[str, Callable[[], Any]], ...] = tuple(
+    (f.name, f.default_factory) for f in dataclasses.fields(Config))   # type: ignore[misc]
+
+
+def _type_of(annotation: str) -> tuple[str, bool]:
+    optional = "None" in annotation
+    return annotation.replace(" | None", "").strip(), optional
+
+
+def flat_config(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A recorded config by flat key, from the sectioned form (:meth:`Config.to_dict`) or the flat one that
+    records made before sections hold (``checkpoint`` there is recompute's old name)."""
+    by_field = {(s.section, s.name): s.key for s in settings()}
+    by_alias = {a[2:].replace("-", "_"): s.key for s in settings() for a in s.aliases}
+    out: dict[str, Any] = {}
+    for key, value in saved.items():
+        if isinstance(value, dict):
+            out.update({by_field[(key, k)]: v for k, v in value.items() if (key, k) in by_field})
+        else:
+            out[by_alias.get(key, key)] = value
+    return out
+
+
+def settings() -> Iterator[Setting]:
+    """Every setting, section by section, in declaration order."""
+    for section, factory in _SECTIONS:
+        for f in dataclasses.fields(factory()):
+            kind, optional = _type_of(str(f.type))
+            m = f.metadata
+            yield Setting(section, f.name, kind, optional, f.default, m["help"], m["flag"] or "--" + f.name.replace(
+                "_", "-"), m["short"], m["aliases"], m["choices"], m["check"], m["metavar"])

@@ -1,0 +1,52 @@
+"""Starting torch.distributed for the trainer: torchrun's environment, or one process; the device to use."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.faults import watch
+from ..runtime.hostalloc import keep_freed_memory
+from ..runtime.options import STARTUP_TIMEOUT
+from .config import Config
+
+__all__ = ["init_distributed"]
+
+
+def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
+    """Initialise torch.distributed (torchrun env, or a one-process group) unless the caller did; pick the device.
+
+    Returns (device, whether this call created the process group).
+    """
+    par = cfg.parallel
+    want_cuda = par.device == "cuda" or (par.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu (or launch/pipe.sh N cpus)")
+    backend = par.backend if par.backend != "auto" else ("nccl" if want_cuda else "gloo")
+    if backend == "nccl" and not want_cuda:
+        raise ValueError("--backend nccl needs --device cuda; use gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if want_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if not want_cuda:
+        keep_freed_memory()   # hostalloc.py: large tensors reused, not page-faulted in every microbatch
+    if dist.is_initialized():
+        return device, False
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # torchrun keeps one store across restarts of the group: keys of a crashed attempt (the Gloo
+        # addresses of its groups) would be read by the next one, so each attempt gets its own prefix
+        from torch.distributed.distributed_c10d import PrefixStore
+        from torch.distributed.rendezvous import rendezvous
+        limit = timedelta(seconds=cfg.faults.timeout or STARTUP_TIMEOUT)
+        store, rank, world = next(rendezvous("env://", timeout=limit))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=PrefixStore(f"pipeengine/attempt{attempt}/", store),
+                                rank=rank, world_size=world, timeout=limit)
+        watch().watch_parent()   # a launcher killed with -9 must not leave its workers training
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    return device, True

@@ -1,0 +1,63 @@
+"""``python -m pipeengine.schedule --profile MODEL``: measured layer costs and, for every schedule, the split
+the profile partition picks, its simulated step and its memory (one process, before launching)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+from ..runtime.planner import PartitionError, choose_bounds, position_costs
+from ..runtime.profile import profile_layers
+from ..runtime.stage import LayerError
+from ..schedule import SCHEDULES, compile_schedule, simulate
+from .data import batches
+
+__all__ = ["profile_report"]
+
+
+def profile_report(model: str, preset: str, pp: int, microbatches: int, micro_batch_size: int,
+                   memory_cap_gib: float | None) -> int:
+    """Print the report; 0 done, 1 a layer failed, 2 bad input."""
+    mod = importlib.import_module(f"pipeengine.models.{model}")
+    presets = mod.presets()
+    if preset not in presets:
+        print(f"error: --preset {preset!r} is not a {model} preset; choose {', '.join(presets)}", file=sys.stderr)
+        return 2
+    if pp < 2:
+        print("error: --pp must be >= 2 to compare splits", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    cfg = presets[preset]()
+    layers = mod.build(cfg)
+    x, y = batches(mod.make_source(cfg, None), "train", 0, 0, 0, 1, 1, micro_batch_size)[0]
+    try:
+        costs = profile_layers(layers, 0, len(layers), x, loss_fn=mod.loss_fn, target=y, device=torch.device("cpu"))
+    except LayerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{model}/{preset}: {len(layers)} layers, microbatch of {micro_batch_size} on cpu, "
+          f"{torch.get_num_threads()} threads; ms per microbatch (the last layer includes the loss)")
+    print(f"{'layer':>5} {'F':>8} {'B':>8} {'W':>8} {'B+W fused':>10} {'act MiB':>8} {'param MiB':>9}")
+    for i, c in enumerate(costs):
+        print(f"{i:>5} {1e3 * c.f:8.2f} {1e3 * c.b:8.2f} {1e3 * c.w:8.2f} {1e3 * c.fused:10.2f} "
+              f"{c.activation_bytes / 2**20:8.2f} {c.param_bytes / 2**20:9.2f}")
+    print(f"\n{'schedule':<28} {'bounds':<28} {'step ms':>8} {'bubble':>7} {'peak in flight':>15} "
+          f"{'GiB per position (est.)':>24}")
+    cap = memory_cap_gib * 2**30 if memory_cap_gib else None
+    for name in [n for n in SCHEDULES if n != "forward"]:
+        chunks = 2 if name == "interleaved-1f1b" else 1
+        label = name + (" (chunks 2)" if chunks > 1 else "")
+        try:
+            sched = compile_schedule(name, pp, microbatches, chunks)
+            choice = choose_bounds(costs, sched, cap)
+        except (ValueError, PartitionError) as exc:
+            print(f"{label:<28} {str(exc).splitlines()[0]}")
+            continue
+        sched = compile_schedule(name, pp, microbatches, chunks, choice.mean_costs())
+        result = simulate(sched, position_costs(choice.stage_costs, sched))
+        print(f"{label:<28} {str(choice.bounds):<28} {1e3 * result.makespan:8.1f} {result.mean_bubble:7.3f} "
+              f"{' '.join(map(str, result.peak_in_flight)):>15} "
+              f"{' '.join(f'{m / 2**30:.2f}' for m in choice.memory):>24}")
+    return 0

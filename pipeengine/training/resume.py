@@ -1,0 +1,118 @@
+"""The resume policy: which checkpoint a run continues from, what it may reuse, and what changed since."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..runtime.agree import decided_by_rank0
+from ..runtime.topology import Topology
+from ..schedule import Costs
+from .checkpoint import CheckpointError, latest, load, manifest, resolve
+from .config import Config, flat_config
+
+if TYPE_CHECKING:
+    from ..runtime.engine import PipelineEngine
+
+__all__ = ["ResumePoint", "pick_checkpoint", "resume"]
+
+# settings that change what a resumed run computes (data, learning rate, model), compared on resume
+TRAJECTORY = ("model", "preset", "data", "seed", "steps", "lr", "min_lr", "warmup", "optimizer", "weight_decay",
+              "grad_clip", "precision")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint to resume from, and what the new run may reuse from it."""
+
+    path: str
+    bounds: list[int] | None = None   # its stage bounds, when they fit this run (same pp, chunks and layers)
+    costs: Costs | None = None        # the costs its schedule was lowered with (same schedule)
+
+
+def pick_checkpoint(cfg: Config, topo: Topology, num_layers: int) -> ResumePoint | None:
+    """The checkpoint to resume from, or None to start at step 0. Rank 0 decides, every rank learns it.
+
+    A group restarted by torchrun (``--max-restarts``) resumes by itself from the newest checkpoint
+    this run wrote in ``--save-dir`` (torchrun's run id: a fresh one per single-node launch; multi-node
+    runs share "none", and then the newest checkpoint is taken), else from what ``--resume`` named:
+    otherwise it would start over and overwrite its own checkpoints.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if cfg.saving.resume is None and attempt == 0:
+        return None
+
+    def decide() -> ResumePoint | None:
+        try:
+            return _decide(cfg, topo, num_layers, attempt)
+        except (CheckpointError, OSError, ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"--resume: {exc}") from None
+
+    return decided_by_rank0(decide)
+
+
+def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> ResumePoint | None:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    resume = cfg.saving.resume
+    path: str | None = None
+    if attempt > 0 or resume == "latest":
+        found, partial = latest(cfg.saving.dir)
+        for p in partial:
+            print(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
+        if found is not None and (resume == "latest" or run_id in (None, "none")   # (no id: trust it)
+                                  or manifest(found).get("run_id") == run_id):
+            path = found
+    if path is None and resume not in (None, "latest"):
+        path = resume
+    if attempt > 0:
+        print(f"restart {attempt}: resuming from {path}" if path else
+              f"restart {attempt}: no checkpoint of this run yet: starting at step 0")
+    elif path is None:
+        print(f"no checkpoint in {cfg.saving.dir!r}: starting at step 0")
+    if path is None:
+        return None
+    path = resolve(path)
+    info = manifest(path)
+    _note_changes(cfg, topo, info)
+    same = (info.get("pp") == topo.pp and info.get("chunks") == cfg.schedule.chunks
+            and info.get("num_layers") == num_layers and isinstance(info.get("bounds"), list))
+    if not same:
+        return ResumePoint(path)
+    costs = info.get("schedule_costs") if info.get("schedule") == cfg.schedule.name else None
+    return ResumePoint(path, list(info["bounds"]), Costs(*costs) if costs else None)
+
+
+def _note_changes(cfg: Config, topo: Topology, info: dict[str, Any]) -> None:
+    """Say which settings that change the run differ from the checkpoint's (a run may mean to change them)."""
+    if not isinstance(info.get("config"), dict):
+        return
+    saved, now = flat_config(info["config"]), cfg.flat()
+    changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in TRAJECTORY if k in saved and saved[k] != now[k]]
+    try:   # the data follow the global batch, however it is split over replicas and microbatches
+        before = int(info["dp"]) * int(saved["microbatches"]) * int(saved["micro_batch_size"])
+        after = topo.dp * cfg.schedule.microbatches * cfg.data.micro_batch_size
+        if before != after:
+            changed.append(f"global batch {before} -> {after}")
+    except (KeyError, TypeError, ValueError):
+        pass
+    if changed:
+        print(f"note: resuming with settings that differ from the checkpoint's ({'; '.join(changed)}): "
+              f"the run continues, but not as the saved one would have")
+
+
+def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> int:
+    """Load the chosen checkpoint on every rank; the step to start at."""
+    if point is None:
+        return 0
+    t0 = time.perf_counter()
+    info = load(engine, point.path)
+    if engine.rank == 0:
+        print(f"resumed from {info['path']} at step {info['step']} in {time.perf_counter() - t0:.2f} s (written "
+              f"with pp={info.get('pp')} dp={info.get('dp')} {info.get('schedule')}; stage bounds "
+              f"{engine.bounds})")
+    if info["step"] >= cfg.optimizer.steps:
+        raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.optimizer.steps}; "
+                         f"ask for more steps to continue training")
+    return int(info["step"])

@@ -1,0 +1,376 @@
+"""The Trainer: one training run of a :class:`~pipeengine.training.config.Config` from set-up to summary.
+
+``python -m pipeengine.train`` (cli.py) builds the config and calls :func:`run`; a program of the
+user's may do the same. Every rank runs the same Trainer; rank 0 prints and writes the logs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.agree import on_every_rank
+from ..runtime.clock import gather_records
+from ..runtime.engine import PipelineEngine, StepResult
+from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
+from ..runtime.numerics import NonFiniteError
+from ..runtime.options import STARTUP_TIMEOUT
+from ..runtime.topology import Topology
+from ..schedule import theoretical_bubble
+from .breakdown import PARTS, decompose, pipeline_bubble, simulated_bubble
+from .checkpoint import AsyncSaver, CheckpointError, save
+from .cli import to_toml
+from .config import Config, partition_arg
+from .data import batches
+from .distributed import init_distributed
+from .models import ModelSpec, load_model
+from .report import mean, oversubscribed, progress_line, summary_text, write_json
+from .resume import ResumePoint, pick_checkpoint, resume
+from .stopping import StopRequest
+from .tensorboard import MetricsWriter
+from .timeline import chrome_trace
+
+__all__ = ["Trainer", "run"]
+
+
+@dataclass
+class TimedStep:
+    """A step whose every rank's timings were gathered: its bubble, measured and simulated, and time split."""
+
+    step: int
+    measured_bubble: float
+    simulated_bubble: float
+    parts: dict[str, float]   # share of the step per part (breakdown.PARTS), mean over positions
+
+
+@dataclass
+class RunState:
+    """Where the run stands: every step's loss and time, the timed steps, the last validation loss."""
+
+    start: int
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    timed: list[TimedStep] = field(default_factory=list)
+    val_loss: float = math.nan
+    status: str = "running"
+
+    @property
+    def done(self) -> int:
+        """Steps finished so far (resumed ones included)."""
+        return self.start + len(self.losses)
+
+
+def _check_writable(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path!r} cannot be created: {exc.strerror}; choose a writable folder") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} is not writable; choose a writable folder")
+
+
+class Trainer:
+    """One training run (see the module docstring). ``run()`` does it all; the parts are public for programs
+    that drive the loop themselves: ``setup()``, ``train_step(step)``, ``evaluate(step)``, ``save(step)``,
+    ``summary()``."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device, self.owned = init_distributed(cfg)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self) -> None:
+        """Everything before the first step; a bad input raises ValueError on every rank alike."""
+        cfg = self.cfg
+
+        def check() -> tuple[Topology, ModelSpec]:
+            topo = cfg.resolve(self.world)
+            model = load_model(cfg)
+            stages = topo.pp * cfg.schedule.chunks
+            if len(model.factories) < stages:
+                raise ValueError(f"{cfg.model.name} ({cfg.model.preset}) has {len(model.factories)} layers but "
+                                 f"pp={topo.pp} x chunks={cfg.schedule.chunks} needs {stages} stages; use fewer "
+                                 f"stages or a deeper preset")
+            if self.rank == 0:   # only rank 0 writes logs
+                _check_writable(cfg.logging.dir, "--log-dir")
+            return topo, model
+
+        # one rank's bad input (a local path) is every rank's error
+        self.topo, self.model = on_every_rank(check)
+        point = pick_checkpoint(cfg, self.topo, len(self.model.factories))
+        self.engine = self._engine(point)
+        self.state = RunState(start=resume(cfg, self.engine, point))
+        self.global_batch = self.topo.dp * cfg.schedule.microbatches * cfg.data.micro_batch_size
+        self.warm = max(1, min(5, cfg.optimizer.steps // 20))   # steps left out of the timing figures
+        self.timeline_steps = {min(self.state.start + self.warm, cfg.optimizer.steps - 1), cfg.optimizer.steps - 1}
+
+    def _engine(self, point: ResumePoint | None) -> PipelineEngine:
+        cfg, model = self.cfg, self.model
+        opt_cls = torch.optim.AdamW if cfg.optimizer.name == "adamw" else torch.optim.SGD
+
+        def make_opt(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            kw: dict[str, Any] = {"lr": cfg.optimizer.lr, "weight_decay": cfg.optimizer.weight_decay}
+            if cfg.optimizer.name == "sgd":
+                kw["momentum"] = 0.9
+            return opt_cls(ps, **kw)
+
+        partition, costs = partition_arg(cfg.schedule.partition), None
+        if point is not None and cfg.schedule.partition == "profile" and point.bounds is not None:
+            # the checkpoint's measured bounds and schedule costs: the resumed run computes as the first did
+            partition, costs = point.bounds, point.costs
+        sample = None
+        if partition == "profile":   # time the layers on the run's first microbatch
+            sample = batches(model.source, "train", 0, cfg.model.seed, 0, self.topo.dp, cfg.schedule.microbatches,
+                             cfg.data.micro_batch_size)[0]
+        cap = cfg.schedule.memory_cap
+        return PipelineEngine(
+            model.factories, model.module.loss_fn, make_opt, topology=self.topo, schedule=cfg.schedule.name,
+            microbatches=cfg.schedule.microbatches, chunks=cfg.schedule.chunks, seed=cfg.model.seed,
+            tied=model.module.tied_parameters(len(model.factories)), device=self.device, timeout=cfg.faults.timeout,
+            grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
+            on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
+            costs=costs, memory_cap=cap * 2**30 if cap else None)
+
+    def _open_logs(self) -> None:
+        cfg, topo = self.cfg, self.topo
+        name = cfg.logging.run_name or (f"{cfg.model.name}-{cfg.schedule.name}-pp{topo.pp}dp{topo.dp}-"
+                                        f"{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir = os.path.join(cfg.logging.dir, name)
+        self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0)
+        self.writer.log_text("config", "".join(f"    {line}\n" for line in to_toml(cfg).splitlines()))
+        if self.rank == 0 and not cfg.logging.quiet:
+            print(topo.describe())
+            if self.engine.plan.choice is not None:
+                print(self.engine.plan.choice.describe(self.engine.schedule.name))
+            print(f"model {cfg.model.name}/{cfg.model.preset}: {self.engine.num_layers} layers, stage bounds "
+                  f"{self.engine.bounds}; schedule {cfg.schedule.name}, {cfg.schedule.microbatches} microbatches x "
+                  f"{cfg.data.micro_batch_size} per replica, global batch {self.global_batch}; logs in {self.run_dir}")
+
+    # ------------------------------------------------------------------ steps
+
+    def _data(self, split: str, step: int) -> Any:
+        if not self.engine.needs_data:
+            return None
+        return iter(batches(self.model.source, split, step, self.cfg.model.seed, self.engine.replica, self.topo.dp,
+                            self.cfg.schedule.microbatches, self.cfg.data.micro_batch_size))
+
+    def evaluate(self, step: int) -> float:
+        """The validation loss on step ``step``'s validation batch."""
+        return float(self.engine.eval_batch(self._data("val", step)).loss)
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step with its logging (every rank; rank 0 writes)."""
+        cfg, engine = self.cfg, self.engine
+        lr = cfg.lr_at(step)
+        engine.set_lr(lr)
+        res = engine.train_batch(self._data("train", step))
+        self.state.losses.append(res.loss)
+        self.state.times.append(res.step_time)
+        if res.nonfinite and self.rank == 0:
+            print(f"step {step}: non-finite loss or gradients, update skipped ({engine.skipped_steps} so far)",
+                  file=sys.stderr)
+            self.writer.log_scalars(step, {"train/skipped_steps": engine.skipped_steps})
+        log = cfg.logging
+        every = log.timeline_interval
+        timeline = step in self.timeline_steps or bool(every and (step + 1) % every == 0)
+        wanted = step % log.log_interval == 0 or step == cfg.optimizer.steps - 1 or log.trace_step == step or timeline
+        records = gather_records(res.records) if wanted else None   # the same decision on every rank
+        if not wanted and self.rank == 0:
+            self.writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
+                                           "throughput/samples_per_s": self.global_batch / res.step_time,
+                                           **({"train/grad_norm": res.grad_norm} if res.grad_norm is not None
+                                              else {})})
+        if records is not None:   # rank 0: every rank's timings of this step
+            self._report_timed(step, res, lr, records, timeline)
+        return res
+
+    def _report_timed(self, step: int, res: StepResult, lr: float, records: dict[int, list[Any]],
+                      timeline: bool) -> None:
+        topo, engine = self.topo, self.engine
+        step_time = max(r.end for rs in records.values() for r in rs)
+        # replica 0's ranks stand for their position (replicas run the same program)
+        parts = decompose({rk: rs for rk, rs in records.items() if topo.replica_of(rk) == 0}, step_time)
+        measured = pipeline_bubble(parts)
+        theory = simulated_bubble(engine.schedule, [records.get(topo.rank(p, 0), []) for p in range(topo.pp)])
+        share = {k: sum(p[k] for p in parts.values()) / len(parts) / step_time for k in PARTS}
+        self.state.timed.append(TimedStep(step, measured, theory, share))
+        tokens = self.model.tokens_per_example
+        self.writer.log_step(step, loss=res.loss, lr=lr, grad_norm=res.grad_norm, step_time=step_time,
+                             samples_per_s=self.global_batch / step_time,
+                             tokens_per_s=self.global_batch * tokens / step_time if tokens else None,
+                             parts_by_position={topo.position_of(rk): p for rk, p in parts.items()},
+                             measured_bubble=measured, theoretical_bubble=theory)
+        if timeline:
+            self.writer.log_timeline(step, records)
+        if self.cfg.logging.trace_step == step:
+            chrome_trace(records, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
+
+    def save(self, step: int, newline: bool = False) -> None:
+        """A checkpoint of the state after ``step`` steps (every rank; in the background with --async-save)."""
+        cfg = self.cfg
+        t_save = time.perf_counter()
+        extra = {"model": cfg.model.name, "preset": cfg.model.preset, "config": cfg.to_dict(),
+                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        keep = cfg.saving.keep or None
+        if self.saver is None:
+            saved = save(self.engine, cfg.saving.dir, step, keep=keep, extra=extra)
+        else:
+            self._publish_background(newline)   # the previous background save, made visible
+            saved = self.saver.save(self.engine, cfg.saving.dir, step, keep=keep, extra=extra)
+        if self.rank == 0:
+            how = "the step waited" if self.saver else "saved"
+            print(f"{chr(10) if newline else ''}{saved}: {how} {time.perf_counter() - t_save:.2f} s")
+
+    def _publish_background(self, newline: bool = False) -> None:
+        if self.saver is not None and (published := self.saver.finish()) and self.rank == 0:
+            print(f"{chr(10) if newline else ''}saved {published} (in the background)")
+
+    # ------------------------------------------------------------------ summary
+
+    def summary(self) -> dict[str, Any]:
+        """The run's figures (the summary block, summary.json, and what run() returns)."""
+        cfg, state, nan = self.cfg, self.state, float("nan")
+        steady = sorted(state.times[self.warm:] or state.times or [nan])
+        median = steady[len(steady) // 2]
+        timed = [t for t in state.timed if t.step >= state.start + self.warm] or state.timed
+        tokens = self.model.tokens_per_example
+        return {"config": cfg.to_dict(), "pp": self.topo.pp, "dp": self.topo.dp, "status": state.status,
+                "first_step": state.start, "steps_done": state.done, "first_loss": (state.losses or [nan])[0],
+                "final_loss": (state.losses or [nan])[-1], "val_loss": state.val_loss, "median_step_s": median,
+                "losses": state.losses, "skipped_steps": self.engine.skipped_steps,
+                "samples_per_s": self.global_batch / median,
+                "tokens_per_s": self.global_batch * tokens / median if tokens else None,
+                "warmup_steps": self.warm, "timed_steps": [t.step for t in timed],
+                "measured_bubble": mean([t.measured_bubble for t in timed]),
+                "theoretical_bubble": mean([t.simulated_bubble for t in timed]),
+                "closed_form_bubble": theoretical_bubble(cfg.schedule.name, self.topo.pp, cfg.schedule.microbatches,
+                                                         cfg.schedule.chunks),
+                "step_parts": {k: mean([t.parts[k] for t in timed]) for k in PARTS},
+                "oversubscribed": oversubscribed(self.device)}
+
+    def _write_summary(self) -> None:
+        if self.rank == 0:
+            write_json(os.path.join(self.run_dir, "summary.json"), self.summary())
+
+    # ------------------------------------------------------------------ the whole run
+
+    def run(self) -> dict[str, Any]:
+        """Set up, train, evaluate, save; the summary. Raises SystemExit with the command line's status on a
+        failure (2 bad input, 3 an explained failure, 128+N stopped by signal N)."""
+        try:
+            self.setup()
+        except ValueError as exc:
+            if self.rank == 0:
+                print(f"error: {exc}", file=sys.stderr)
+            raise self._exit(2) from None
+        self._open_logs()
+        cfg = self.cfg
+        self.is_tty = sys.stdout.isatty() and not cfg.logging.quiet
+        self.stop = StopRequest(watch().store)
+        self.saver = (AsyncSaver(cfg.faults.timeout or STARTUP_TIMEOUT)
+                      if cfg.saving.background and (cfg.saving.interval or cfg.saving.on_exit) else None)
+        code = 0
+        try:
+            code = self._loop()
+        except NonFiniteError as exc:   # every rank raises it alike
+            code = self._stopped_nonfinite(exc)
+        except (PeerFailed, WaitTimeout) as exc:   # shown once per job: by rank 0, unless the reporter did
+            self.state.status = f"failed: {str(exc).splitlines()[0]}"
+            if self.rank == 0:
+                watch().print_once(f"{self._nl()}{type(exc).__name__}: {exc}")
+            code = watch().exit_status if isinstance(exc, PeerFailed) else EXPLAINED
+        except ValueError as exc:   # a bad input met in the step (e.g. a stage that cannot take its input)
+            self.state.status = f"failed: {exc}"
+            if self.rank == 0:
+                print(f"{self._nl()}error: {exc}", file=sys.stderr)
+            code = 2
+        except BaseException as exc:
+            self.state.status = f"failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.stop.restore()
+            self.writer.close()
+            self._write_summary()
+        if code:
+            raise self._exit(code)
+        result = self.summary()
+        if self.rank == 0:
+            if self.is_tty:
+                print()
+            print(summary_text(result))
+        if self.owned:
+            dist.destroy_process_group()
+        return result
+
+    def _loop(self) -> int:
+        """The steps, then the final evaluation (or the stop a signal asked for); the exit status."""
+        cfg, state = self.cfg, self.state
+        steps = cfg.optimizer.steps
+        t_start = time.perf_counter()
+        for step in range(state.start, steps):
+            if self.stop.after(step):
+                break
+            self.train_step(step)
+            if cfg.logging.eval_interval and (step + 1) % cfg.logging.eval_interval == 0 and step + 1 < steps:
+                state.val_loss = self.evaluate(step)
+                self.writer.log_eval(step, state.val_loss)
+            if cfg.saving.interval and ((step + 1) % cfg.saving.interval == 0 or step + 1 == steps):
+                self.save(step + 1, self.is_tty)
+            if self.rank == 0 and not cfg.logging.quiet and (
+                    self.is_tty or (step + 1) % cfg.logging.log_interval == 0 or step + 1 == steps):
+                elapsed = time.perf_counter() - t_start
+                line = progress_line(step + 1, steps, state.losses[-1], state.val_loss,
+                                     self.global_batch / state.times[-1], (step + 1 - state.start) / elapsed)
+                print(("\r" + line + "\033[K") if self.is_tty else line, end="" if self.is_tty else "\n", flush=True)
+            if step % cfg.logging.log_interval == 0:
+                self._write_summary()
+        code = 0
+        if self.stop.signum is not None:
+            name = signal.Signals(self.stop.signum).name
+            state.status = f"stopped by {name} after step {state.done}"
+            if self.rank == 0:
+                print(f"{self._nl()}{name}: every rank stopped after step {state.done}", file=sys.stderr)
+            if cfg.saving.on_exit and not (cfg.saving.interval and state.done % cfg.saving.interval == 0):
+                self.save(state.done)
+            code = 128 + self.stop.signum
+        else:
+            state.val_loss = self.evaluate(steps)
+            self.writer.log_eval(steps - 1, state.val_loss)   # at the last training step
+            state.status = "done"
+        self._publish_background()
+        return code
+
+    def _stopped_nonfinite(self, exc: NonFiniteError) -> int:
+        self.state.status = f"stopped: {exc}"
+        if self.rank == 0:
+            print(f"{self._nl()}error: {exc}", file=sys.stderr)
+        try:   # a background save still in flight is made visible (every rank is here)
+            self._publish_background()
+        except CheckpointError as failed:   # raised on every rank alike
+            if self.rank == 0:
+                print(f"error: {failed}", file=sys.stderr)
+        return EXPLAINED
+
+    def _nl(self) -> str:
+        """A newline first when the progress line is being updated in place."""
+        return "\n" if self.is_tty else ""
+
+    def _exit(self, code: int) -> SystemExit:
+        if self.owned and code in (0, 2):
+            dist.destroy_process_group()
+        return SystemExit(code)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Run one training job; its summary (see :meth:`Trainer.summary`)."""
+    return Trainer(cfg).run()

@@ -1,0 +1,122 @@
+"""Smoke tests of the benchmark scripts, run as modules from the repository root (``python -m benchmarks.X``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_efficiency_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    cmd = [*TORCHRUN, "-m", "benchmarks.efficiency", "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
+           "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["schedule"], r["pp"], r["microbatches"]) for r in rows] == [("1f1b", 2, 4), ("zb-h1", 2, 4)]
+    for r in rows:
+        assert r["errors"] == {}
+        for engine in ("ours", "torch"):
+            assert 0 < r[f"{engine}_efficiency"] <= 1.05, r
+            assert r[f"{engine}_median_s"] > r["ideal_s"] * 0.95
+        assert r["ratio_ours_over_torch"] > 0
+        assert 0 < r["ours_efficiency_vs_measured_costs"] <= 1.05
+    assert rows[0]["ours_peak_stored"] == {"0": 2, "1": 1}          # 1F1B: min(p - s, m)
+    assert rows[0]["ideal_s"] == pytest.approx(5 * 0.006)           # (m + p - 1)(f + b + w)
+    assert "| 1f1b | 2 | 4 |" in proc.stdout
+
+
+def test_overhead_analysis_of_records() -> None:
+    """benchmarks.overhead: hop latency counts only transfers the receiver was already blocked on."""
+    from benchmarks.overhead import analyse
+    rank0 = [("F", 0, 0.0, 0.010), ("COMM", 0, 0.010, 0.0102), ("F", 1, 0.0102, 0.020), ("COMM", 1, 0.020, 0.0203),
+             ("WAIT", 0, 0.0203, 0.0400), ("B", 0, 0.0400, 0.050)]
+    rank1 = [("WAIT", 0, 0.001, 0.0105), ("F", 0, 0.0105, 0.0205),
+             ("WAIT", 1, 0.0205, 0.0210), ("F", 1, 0.0210, 0.031),     # waited after the data left: not a hop
+             ("B", 0, 0.031, 0.0396), ("COMM", 0, 0.0396, 0.0398)]
+    stats = analyse([[rank0], [rank1]])
+    assert stats["hops"]["F"] == [pytest.approx(0.0005)]              # rank 0's F0 ends 10.0 ms, rank 1 resumes 10.5
+    assert stats["hops"]["B"] == [pytest.approx(0.0004)]              # rank 1's B0 ends 39.6 ms, rank 0 resumes 40.0
+    assert stats["posts"] == [pytest.approx(0.0002), pytest.approx(0.0003), pytest.approx(0.0002)]
+    assert stats["ms_per_step"][0]["F"] == pytest.approx(19.8)
+    assert stats["ms_per_step"][1]["WAIT"] == pytest.approx(10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_efficiency_real_mode_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "real.jsonl"
+    cmd = [*TORCHRUN, "-m", "benchmarks.efficiency", "--real", "--hidden", "64", "--depth", "4",
+           "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["mode"] == "real" and row["microbatches"] == 4
+    assert row["ideal_speedup"] == pytest.approx(2 * 4 / 5)
+    assert row["speedup"] == pytest.approx(row["single_s"] / row["pp2_s"])
+    assert row["machine_bound_speedup"] > 0 and row["halves_together_s"] > 0 and row["half_alone_s"] > 0
+    assert row["ratio_to_machine_bound"] == pytest.approx(row["speedup"] / row["machine_bound_speedup"])
+    assert "Real compute (MLP 4 x 64" in proc.stdout and "this machine allows" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_overhead_script_smoke() -> None:
+    cmd = [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("batch_isend_irecv", "dist.isend", "group.send", "part 2: our engine, 1f1b, pp=2, m=4",
+                 "rank 1: B ", "hop latency, ", "Python before a batch's first op reaches Gloo"):
+        assert line in proc.stdout, (line, proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_memory_smoke(tmp_path: Path) -> None:
+    """benchmarks.memory measures both engines in fresh processes: ours flat in m, torch's buffers held."""
+    out = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "4", "12",
+           "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["schedule"], r["pp"], r["m"]) for r in rows] == [("1f1b", 2, 4), ("1f1b", 2, 12)]
+    ours = [[rank["growth_mib"] for rank in r["results"]["ours"]] for r in rows]
+    assert all(abs(a - b) <= 1.0 for a, b in zip(*ours)), ours          # flat in m (MiB, page rounding)
+    held = [max(rank["held_mib"] for rank in r["results"]["torch"]) for r in rows]
+    assert held[1] > held[0] + 8 * 2 * 0.9, held                       # torch: a receive buffer per microbatch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_real_models_smoke(tmp_path: Path) -> None:
+    """benchmarks.real on the tiny MLP: every variant timed, ratios paired per round, the table printed."""
+    out = tmp_path / "real.jsonl"
+    cmd = [*TORCHRUN, "-m", "benchmarks.real", "--model", "mlp", "--preset", "tiny", "-m", "4",
+           "--micro-batch-size", "4", "--rounds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    variants = {"ours profile 1f1b", "ours profile zb-h1", "ours parameters 1f1b", "ours uniform 1f1b",
+                "torch 1F1B (uniform)", "torch ZB (uniform)", "single process (accumulation)"}
+    assert set(row["throughput"]) == variants | {"machine bound"}
+    assert all(len(row["times"][v]) == 2 for v in variants | {"halves at once"})
+    assert row["vs_torch"]["torch 1F1B (uniform)"] == 1.0 and set(row["vs_torch"]) == variants
+    assert row["bounds"]["ours uniform 1f1b"] == [0, 5, 10] and len(row["bounds"]["ours profile 1f1b"]) == 3
+    assert row["predicted_s"] > 0 and len(row["halves_at_once_s"]) == 2
+    assert "| mlp/tiny | 2 x 1 | ours profile 1f1b |" in proc.stderr

@@ -1,0 +1,124 @@
+"""Pipeline = single process, in NCCL-like strict mode: pp x dp training gives one process's losses and parameters.
+
+Every configuration also evaluates once after training (forward-only schedule) and must give the
+single-process evaluation loss, and records the ops it posts: they must be exactly its position's
+validated program (headers included), step by step. One configuration is one test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runtime.equivalence import DIM, GLOBAL_BATCH, Case, case, check, run_case, stage_peaks
+
+INTERLEAVED_TIE = {"chunks": 2, "partition": (0, 2, 4, 7, 10)}   # layers 0 and 4 both at position 0
+TWO = {"chunks": 2}
+SMALL_BUCKETS = {"bucket_mb": 1e-4}
+
+WORLD2: list[Case] = [
+    *[case("mlp", opt, sched, 2, 1, 4) for opt in ("sgd", "adam") for sched in ("gpipe", "1f1b", "zb-h1")],
+    case("mlp", "adam", "interleaved-1f1b", 2, 1, 4, **TWO),
+    case("factories", "adam", "1f1b", 2, 1, 4), case("factories", "sgd", "interleaved-1f1b", 2, 1, 4, **TWO),
+    case("mlp", "sgd", "1f1b", 1, 2, 4), case("mlp", "adam", "gpipe", 1, 2, 4),
+    case("tuple", "adam", "1f1b", 2, 1, 4), case("tuple", "sgd", "gpipe", 2, 1, 2),
+    case("tuple", "adam", "zb-h1", 2, 1, 2),
+    case("tied", "adam", "1f1b", 1, 2, 4), case("tied", "sgd", "interleaved-1f1b", 2, 1, 4, **INTERLEAVED_TIE),
+    case("tied", "adam", "1f1b", 2, 1, 4),
+    # the Gloo fast path (a tag per transfer) and the NCCL path (coalesced steps) give the same results
+    case("mlp", "sgd", "interleaved-1f1b", 2, 1, 4, wire="coalesced", **TWO),
+    case("tuple", "adam", "1f1b", 2, 1, 4, wire="coalesced"), case("tuple", "adam", "zb-h1", 2, 1, 4, wire="tags"),
+    # bf16: every schedule end to end, activations on the wire in bf16
+    *[case("mlp", "adam", sched, 2, 1, 4, precision="bf16", **(TWO if sched.startswith("inter") else {}))
+      for sched in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")],
+    # DP all-reduce inside backward (default) == after it, bitwise; many small buckets
+    *[case("tied", "adam", "1f1b", 1, 2, 4, overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)],
+]
+WORLD4: list[Case] = [
+    *[case("mlp", opt, sched, pp, dp, m) for (pp, dp, m) in ((4, 1, 8), (2, 2, 4))
+      for opt in ("sgd", "adam") for sched in ("gpipe", "1f1b")],
+    case("mlp", "adam", "zb-h1", 4, 1, 8), case("factories", "adam", "zb-h1", 4, 1, 8),
+    case("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, **TWO),
+    case("tuple", "adam", "interleaved-1f1b", 4, 1, 4, **TWO),
+    case("mlp", "sgd", "1f1b", 4, 1, 8, wire="tags"),
+    *[c.but(overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)
+      for c in (case("mlp", "sgd", "1f1b", 2, 2, 4), case("mlp", "adam", "zb-h1", 2, 2, 4),
+                case("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, **TWO))],
+]
+WORLD8: list[Case] = [case("mlp", "adam", "1f1b", 4, 2, 8), case("mlp", "sgd", "gpipe", 4, 2, 8),
+                      *[case("mlp", "adam", "1f1b", 4, 2, 8, overlap_grad_sync=o, **SMALL_BUCKETS)
+                        for o in (True, False)]]
+RECOMPUTE: list[Case] = [   # bitwise equal to none, with dropout, split B/W and interleaved stages
+    case("dropout", "adam", sched, 2, 1, 4, recompute=rc, **(TWO if sched.startswith("inter") else {}))
+    for sched in ("1f1b", "zb-h1", "interleaved-1f1b") for rc in ("none", "full", "every:1")]
+BN = case("bn", "sgd", "1f1b", 1, 2, 2)
+
+
+def results(c: Case, request: pytest.FixtureRequest) -> list[dict]:  # type: ignore[type-arg]
+    return run_case(c, request.getfixturevalue(f"world{c.world}"))
+
+
+def _marks(c: Case) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.slow] if c.world == 8 else []
+
+
+@pytest.mark.parametrize("c", [pytest.param(c, id=str(c), marks=_marks(c)) for c in WORLD2 + WORLD4 + WORLD8])
+def test_equals_single_process(c: Case, request: pytest.FixtureRequest) -> None:
+    rs = results(c, request)
+    check(rs, c)
+    peaks = stage_peaks(rs)
+    if c.schedule == "1f1b" and not c.options.get("chunks"):   # 1F1B holds min(pp - s, m) at stage s
+        assert peaks == {s: min(c.pp - s, c.m) for s in range(c.pp)}, peaks
+    if c.schedule == "gpipe":
+        assert peaks == {s: c.m for s in range(c.pp)}, peaks
+    if c.options.get("precision") == "bf16":   # activations and gradients travel in bf16: 2 bytes per element
+        sizes = {n for a, _, _, _, n in rs[0]["log"] if a.startswith(("sendF", "recvB"))}
+        assert sizes == {GLOBAL_BATCH // 4 * DIM * 2}, sizes
+
+
+TWINS = [c for c in WORLD2 + WORLD4 + WORLD8 if c.options.get("overlap_grad_sync") is False]
+
+
+@pytest.mark.parametrize("c", [pytest.param(c, id=str(c), marks=_marks(c)) for c in TWINS])
+def test_grad_sync_inside_backward_is_bitwise_the_one_after_it(c: Case, request: pytest.FixtureRequest) -> None:
+    """The twin posted every bucket from inside backward (its parameters all get gradients)."""
+    after, inside = results(c, request), results(c.but(overlap_grad_sync=True), request)
+    for a, b in zip(after, inside):
+        assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+        assert all(torch.equal(b["params"][name], v) for name, v in a["params"].items())
+        early, buckets = b["buckets"]
+        assert buckets > 1 and early == buckets, (early, buckets)
+        assert a["buckets"][0] == 0
+
+
+@pytest.mark.parametrize("sched", ["1f1b", "zb-h1", "interleaved-1f1b"])
+def test_recompute_changes_nothing_bit_for_bit_with_dropout(sched: str, request: pytest.FixtureRequest) -> None:
+    runs = [results(c, request) for c in RECOMPUTE if c.schedule == sched]
+    for rank_runs in zip(*runs):
+        base = rank_runs[0]
+        assert base["losses"][0] != base["losses"][1]
+        losses = [r["losses"] for r in rank_runs]
+        assert all(x == base["losses"] for x in losses), losses
+        for other in rank_runs[1:]:
+            assert all(torch.equal(other["params"][name], v) for name, v in base["params"].items())
+
+
+def test_tied_copies_on_one_rank_are_one_parameter(request: pytest.FixtureRequest) -> None:
+    tied = results(case("tied", "adam", "1f1b", 1, 2, 4), request)
+    untied = results(case("mlp", "sgd", "1f1b", 1, 2, 4), request)
+    assert tied[0]["num_params"] == untied[0]["num_params"] - DIM * DIM
+
+
+def test_batchnorm_statistics_are_replica_0s_on_every_replica(request: pytest.FixtureRequest) -> None:
+    b0, b1 = (r["buffers"] for r in results(BN, request))
+    assert b0 and all(torch.equal(b0[n], b1[n]) for n in b0)
+
+
+def test_replicas_hold_identical_parameters_and_positions_different_ones(request: pytest.FixtureRequest) -> None:
+    by_rank = results(case("mlp", "sgd", "1f1b", 2, 2, 4), request)
+    for a in by_rank:
+        for b in by_rank:
+            if a["stages"] == b["stages"]:
+                assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+            else:
+                assert not set(a["params"]) & set(b["params"])

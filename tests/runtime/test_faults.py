@@ -1,0 +1,214 @@
+"""Never hang silently, never lie: failures reach every rank, hangs are explained, the NaN policy holds."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine.runtime.faults import adaptive_timeout, wait_for_report
+from tests.harness import ROOT, WorldPool, free_port, run_distributed
+
+
+def test_a_cuda_wait_leaves_the_host_free() -> None:
+    """No GPU here: the CUDA branches are checked on fakes. A CUDA wait is ``work.wait()`` without a
+    timeout (which would make it a host busy-wait that aborts the communicator); NCCL's watchdog
+    enforces the group's timeout."""
+    from pipeengine.runtime.faults import Watch
+
+    class Work:
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def wait(self, *args: Any, **kwargs: Any) -> bool:
+            self.calls.append((args, kwargs))
+            return True
+
+    class Store:
+        def set(self, *a: Any) -> None:
+            pass
+
+        def check(self, *a: Any) -> bool:
+            return False
+
+    w = Watch(Store(), 0, 1)
+    cuda, cpu = Work(), Work()
+    w.wait(cuda, "sendF0>1", [1], cuda=True)
+    w.wait(cpu, "sendF0>1", [1])
+    assert cuda.calls == [((), {})] and "timeout" in cpu.calls[0][1]
+
+
+def test_wait_for_report_names_the_silent_rank_and_the_cycle() -> None:
+    lines = {0: {"rank": 0, "context": "position 0, replica 0, step 21", "state": "waits", "what": "recvB0<1",
+                 "peers": [2], "secs": 20.0},
+             1: {"rank": 1, "context": "position 0, replica 1, step 21", "state": "waits",
+                 "what": "the data-parallel gradient all-reduce", "peers": [0], "secs": 19.5},
+             3: {"rank": 3, "context": "position 1, replica 1, step 21", "state": "runs", "what": "F3", "peers": [],
+                 "secs": 0.0}}
+    report = wait_for_report(lines, 4, 20, {2: "pid 4242 on node7"}).splitlines()
+    assert report[0] == "pipeengine: wait-for report (a wait exceeded 20 s; 3 of 4 ranks answered)"
+    assert report[1] == "  rank 0 (position 0, replica 0, step 21): waits 20.0 s in recvB0<1 for rank(s) 2"
+    assert report[3] == "  rank 3 (position 1, replica 1, step 21): runs F3"
+    assert report[4] == "  rank 2 (pid 4242 on node7): said nothing: stopped, dead or stuck outside the engine"
+    assert report[-1] == "  likely culprit: rank 2 (said nothing)"
+    deadlock = {r: {"rank": r, "context": "", "state": "waits", "what": "x", "peers": [(r + 1) % 3], "secs": 5.0}
+                for r in range(3)}
+    assert "cycle: rank 0 -> rank 1 -> rank 2 -> rank 0" in wait_for_report(deadlock, 3, 5)
+
+
+def test_adaptive_timeout() -> None:
+    assert adaptive_timeout([]) == 600
+    assert adaptive_timeout([0.1, 0.2, 0.3]) == 60
+    assert adaptive_timeout([5.0, 4.0, 6.0]) == 100
+
+
+def mismatch_worker(rank: int, world: int) -> list[str]:
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.faults import watch
+    watch().kill_after = 60   # let the blocked rank raise when rank 1's process ends (not end itself)
+    out = []
+    for layers in ([nn.Linear(4, 4) for _ in range(3 + rank)],                        # another depth
+                   [nn.Linear(4, 4), nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 4)]):  # other shapes
+        try:
+            PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1))
+            out.append("built")
+        except ValueError as exc:
+            out.append(str(exc))
+    # a stage whose output the next stage cannot take: named on every rank, no hang
+    layers = [nn.Linear(4, 6), nn.Linear(4, 4)]
+    engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                            microbatches=2, timeout=30)
+    try:
+        engine.train_batch(iter([(torch.randn(2, 4), torch.randn(2, 4))] * 2))
+        out.append("trained")
+    except Exception as exc:
+        out.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_models_are_told_which_layer_differs() -> None:
+    r0, r1 = run_distributed(mismatch_worker, 2, timeout=100)
+    assert r0[:2] == r1[:2]
+    assert r0[0].startswith("the ranks were given layer lists of different length: 3 on rank 0 but 4 on rank 1")
+    assert r0[1].startswith("the ranks were given different models: layer 1 is Linear(weight (4, 4), bias (4,)) on "
+                            "rank 0 but Linear(weight (5, 4), bias (5,)) on rank 1")
+    assert r1[2].startswith("LayerError: stage 1: layer 1 (Linear) cannot take its input (2, 6) float32: mat1 and "
+                            "mat2 shapes cannot be multiplied"), r1[2]
+    assert "(that input is the output of stage 0, whose last layer is layer 0)" in r1[2]
+    assert r0[2].startswith("PeerFailed: error: rank 1 (position 1, replica 0, step 0) failed in F0: LayerError"), r0
+
+
+def nan_worker(rank: int, world: int, policy: str) -> dict[str, Any]:
+    from pipeengine.runtime.engine import NonFiniteError, PipelineEngine
+    from pipeengine.runtime.topology import Topology
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)]
+    engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.AdamW(ps, lr=0.01),
+                            topology=Topology(2, 1), microbatches=3, on_nonfinite=policy, grad_clip=1.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [[(torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)) for _ in range(3)] for _ in range(3)]
+    batches[1][2][0][0, 0] = float("nan")   # step 1, microbatch 2: a NaN in the input
+    snapshots, out = [], []
+    for step in range(3):
+        snapshots.append([p.detach().clone() for p in engine.parameters])
+        try:
+            res = engine.train_batch(iter(batches[step]))
+            out.append((res.skipped, res.nonfinite, math.isfinite(res.loss)))
+        except NonFiniteError as exc:
+            out.append(str(exc))
+            break
+    snapshots.append([p.detach().clone() for p in engine.parameters])
+    state = [len(s) for s in engine.optimizer.state.values()]
+    same = [all(torch.equal(a, b) for a, b in zip(snapshots[i], snapshots[i + 1])) for i in range(len(snapshots) - 1)]
+    return {"out": out, "unchanged": same, "skipped": engine.skipped_steps, "state": state,
+            "steps": [int(s["step"]) for s in engine.optimizer.state.values()]}
+
+
+@pytest.mark.timeout(120)
+def test_nan_in_one_microbatch_is_skipped_or_stops_naming_the_stage(world2: WorldPool) -> None:
+    skip = world2.run(nan_worker, "skip", timeout=100)
+    for r in skip:
+        assert r["out"] == [(False, False, True), (True, True, False), (False, False, True)], r
+        assert r["unchanged"] == [False, True, False]   # step 1 left every parameter bitwise unchanged
+        assert r["skipped"] == 1 and r["steps"] == [2] * len(r["steps"])   # AdamW stepped twice, not three times
+    stop = world2.run(nan_worker, "stop", timeout=100)
+    for r in stop:
+        assert r["out"][0] == (False, False, True) and len(r["out"]) == 2
+        assert r["out"][1].startswith("step 1: loss nan, gradient norm nan: the first non-finite forward output came "
+                                      "from stage 0 (layers 0..1, rank 0)"), r["out"][1]
+        assert r["unchanged"] == [False, True]
+    assert stop[0]["out"] == stop[1]["out"]   # the same decision and words on every rank
+
+
+def _spawn(world: int, scenario: str, **env: str) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
+    return [subprocess.Popen([sys.executable, "-m", "tests.fault_worker", str(r), str(world), str(port), scenario],
+                             cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(world)]
+
+
+def _wait_for_step(proc: subprocess.Popen[str], step: int, limit: float = 90) -> None:
+    deadline = time.monotonic() + limit
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(f"step {step}"):
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"rank exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(f"no step {step} within {limit} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_exception_in_stage_1_ends_every_rank_within_10_s_without_torchrun() -> None:
+    procs = _spawn(3, "raise")
+    try:
+        _wait_for_step(procs[0], 1)
+        t0 = time.monotonic()
+        for r in (0, 2):   # rank 1 raised and stays alive; its peers must not wait for it
+            procs[r].wait(timeout=30)
+        elapsed = time.monotonic() - t0
+        errs = {r: procs[r].communicate(timeout=10)[1] for r in (0, 2)}
+    finally:
+        for p in procs:
+            p.kill()
+    assert [procs[r].returncode for r in (0, 2)] == [3, 3], errs
+    assert elapsed < 10, elapsed
+    # rank 0 shows rank 1's failure, once, with its traceback
+    assert errs[0].count("error: rank 1 (position 1, replica 0, step 2) failed in F0: RuntimeError: injected "
+                         "failure in Boom.forward\nTraceback (most recent call last):") == 1, errs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_stopped_rank_is_named_as_the_culprit() -> None:
+    procs = _spawn(2, "stop", PE_TIMEOUT="4")
+    try:
+        _wait_for_step(procs[1], 2)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        procs[0].wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        err = procs[0].communicate(timeout=10)[1]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 3, err
+    assert elapsed < 15, elapsed
+    assert "pipeengine: wait-for report (a wait exceeded 4 s; 1 of 2 ranks answered)" in err, err
+    assert f"rank 1 (pid {procs[1].pid} on {socket.gethostname()}): said nothing: stopped, dead or stuck outside " \
+           "the engine" in err
+    assert "likely culprit: rank 1 (said nothing)" in err
+    assert err.count("pipeengine: wait-for report") == 2   # printed once, and carried by rank 0's exception

@@ -1,0 +1,41 @@
+"""Numerics at the end of a step: the one all-reduce's layout, non-finite reports, fp16's dynamic loss scale."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pipeengine.runtime.numerics import LossScale, SignalVector, nonfinite_message
+
+
+def test_fp16_scaling_follows_overflows() -> None:
+    scale = LossScale(enabled=True)
+    scale.update(overflow=True)
+    assert scale.value == 2.0**15 and scale.good_steps == 0
+    for _ in range(2000):
+        scale.update(overflow=False)
+    assert scale.value == 2.0**16
+    for _ in range(39):   # far below 1: overflows are still seen and skipped (a scale of 1 is no "off")
+        assert scale.overflow(math.inf)
+        scale.update(overflow=True)
+    assert scale.value == 2.0**-23 and scale.overflow(math.inf) and not scale.overflow(3.0)
+    scale.update(overflow=True)   # at the floor a non-finite gradient is non-finite: on_nonfinite decides
+    assert scale.value == LossScale.FLOOR and not scale.overflow(math.inf)
+    off = LossScale(enabled=False)
+    off.update(overflow=True)
+    assert off.value == 1.0
+
+
+def test_signal_vector_decodes_what_each_stage_added() -> None:
+    vec = SignalVector(3, torch.device("cpu"))
+    vec.add_grad_sq(torch.tensor(4.0, dtype=torch.float64))
+    vec.add_grad_sq(torch.tensor(5.0, dtype=torch.float64))
+    vec.set_loss(torch.tensor(2.5, dtype=torch.float64))
+    vec.add_stage(1, torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    s = vec.decode()
+    assert (s.grad_sq, s.loss) == (9.0, 2.5)
+    assert s.nonfinite_outputs == [0.0, 1.0, 0.0] and s.nonfinite_grads == [0.0, 1.0, 0.0]
+    text = nonfinite_message(7, s, math.inf, 1, lambda st: f"layers of stage {st}")
+    assert text.startswith("step 7: loss 2.5, gradient norm inf: the first non-finite forward output came from "
+                           "stage 1 (layers of stage 1) (replica 1's view)")

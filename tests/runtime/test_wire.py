@@ -1,0 +1,123 @@
+"""The wire: header codec, explicit header steps, tuples stay tuples, shape changes, tag space, timeouts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pipeengine.runtime.faults import watch
+from pipeengine.runtime.wire import HEADER_LEN, P2PTimeout, TensorMeta, Wire, decode_header, describe, encode_header
+from pipeengine.schedule import Action, Kind
+from tests.harness import run_distributed
+
+
+def test_header_round_trip() -> None:
+    metas = (TensorMeta((4, 16, 8), torch.float32), TensorMeta((4, 16), torch.int64), TensorMeta((), torch.bfloat16))
+    for packed in (True, False):
+        h = encode_header(packed, metas)
+        assert h.shape == (HEADER_LEN,) and h.dtype == torch.int64
+        assert decode_header(h) == (packed, metas)
+    assert describe(metas) == "float32[4, 16, 8], int64[4, 16], bfloat16[]"
+
+
+def test_header_errors() -> None:
+    with pytest.raises(ValueError, match="at most 15 tensors"):
+        encode_header(True, [TensorMeta((1,), torch.float32)] * 16)
+    with pytest.raises(ValueError, match="header, more than 64"):
+        encode_header(True, [TensorMeta((1,) * 30, torch.float32)] * 3)
+    with pytest.raises(TypeError, match="cannot send dtype torch.complex64"):
+        encode_header(False, [TensorMeta((1,), torch.complex64)])
+    with pytest.raises(ValueError, match="corrupt header"):
+        decode_header(torch.full((HEADER_LEN,), 7, dtype=torch.int64))
+
+
+def test_tag_space_overflow_is_an_error_not_a_wrap() -> None:
+    with pytest.raises(ValueError, match=r"need tags up to .* beyond Gloo's 16777216; .* 'strict' wire mode"):
+        Wire(torch.device("cpu"), lambda p: p, lambda c: c, 64, 6000, mode="tags", coalesce=False)
+    Wire(torch.device("cpu"), lambda p: p, lambda c: c, 64, 6000, mode="strict", coalesce=False)  # one tag
+
+
+def A(text: str) -> Action:
+    return Action.parse(text)
+
+
+def exchange(rank: int, world: int, mode: str) -> list[str]:
+    wire = Wire(torch.device("cpu"), lambda p: p, lambda c: rank, 2, 4,
+                mode="strict" if mode == "coalesced" else mode, coalesce=mode == "coalesced")
+    wire.log = []
+    checks = []
+    g = torch.Generator().manual_seed(0)
+    act = (torch.randn(4, 16, 8, generator=g), torch.randint(0, 5, (4, 16), generator=g))
+    grad = torch.randn(4, 16, 8, generator=g)
+    if rank == 0:   # send the activation (a tuple) and receive its gradient in ONE step
+        wire.put(Kind.F, 0, 0, act)
+        wire.post((A("sendH0>1"),))
+        wire.post((A("sendF0>1"), A("recvB0<1")))
+        (got,) = wire.take(Kind.RECV_B, 0, 0)
+        wire.finish()
+        checks.append(str(torch.equal(got, grad)))
+    else:
+        wire.post((A("recvH0<0"),))
+        wire.post((A("recvF0<0"),))
+        x = wire.take(Kind.RECV_F, 0, 0)
+        checks.append(str(isinstance(x, tuple) and torch.equal(x[0], act[0]) and torch.equal(x[1], act[1])
+                          and x[1].dtype == torch.int64))
+        wire.put(Kind.B, 0, 0, (grad,))
+        wire.post((A("sendB0>0"),))
+        wire.finish()
+    for seq in (16, 23):   # shapes change between steps: each step's stream starts with a header
+        wire.begin_step()
+        t = torch.arange(2 * seq, dtype=torch.float64).view(2, seq)
+        if rank == 0:
+            wire.put(Kind.F, 1, 0, t)
+            wire.post((A("sendH1>1"),))
+            wire.post((A("sendF1>1"),))
+            wire.finish()
+        else:
+            wire.post((A("recvH1<0"),))
+            wire.post((A("recvF1<0"),))
+            r = wire.take(Kind.RECV_F, 1, 0)
+            checks.append(str(isinstance(r, torch.Tensor) and torch.equal(r, t)))   # a lone tensor stays one
+            wire.finish()
+    checks.append(repr(wire.log))
+    if mode == "tags":   # out of order: rank 1 waits for microbatch 2, rank 0 only ever sends microbatch 3
+        wire.begin_step()
+        watch().timeout = 2
+        try:
+            if rank == 0:
+                wire.put(Kind.F, 3, 0, grad)
+                wire.post((A("sendH3>1"),))
+                wire.post((A("sendF3>1"),))   # not waited: must not hang
+                time.sleep(5)                   # stay alive until rank 1 has timed out
+            else:
+                wire.post((A("recvH3<0"),))
+                wire.post((A("recvF2<0"),))   # posting never waits; taking does
+                wire.take(Kind.RECV_F, 2, 0)
+            checks.append("no timeout")
+        except P2PTimeout as exc:
+            checks.append(str(exc))
+    return checks   # no collective after a Gloo timeout: the pair is closed by then
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["tags", "strict", "coalesced"])
+def test_header_steps_tuples_shape_change_and_posted_ops(mode: str, request: pytest.FixtureRequest) -> None:
+    if mode == "tags":   # it times out on purpose at the end: fresh ranks
+        r0, r1 = run_distributed(exchange, 2, mode, timeout=80)
+    else:
+        r0, r1 = request.getfixturevalue("world2").run(exchange, mode, timeout=80)
+    assert r0[0] == "True" and r1[:3] == ["True", "True", "True"], (r0, r1)
+    log0 = eval(r0[1])   # noqa: S307 - our own repr of (action, send|recv, peer, tag, bytes) tuples
+    # exactly the posted actions, in program order, one op per tensor; tags per transfer only in tags mode
+    assert [(a, d) for a, d, _, _, _ in log0] == [
+        ("sendH0>1", "send"), ("sendF0>1", "send"), ("sendF0>1", "send"), ("recvB0<1", "recv"),
+        ("sendH1>1", "send"), ("sendF1>1", "send"), ("sendH1>1", "send"), ("sendF1>1", "send")]
+    tags = {t for _, _, _, t, _ in log0}
+    assert [n for a, _, _, _, n in log0 if a == "sendF0>1"] == [4 * 16 * 8 * 4, 4 * 16 * 8]
+    assert (tags == {0}) == (mode != "tags"), tags
+    if mode == "tags":
+        assert r1[4].startswith("rank 1: waits 2.0 s in recvF2<0 for rank(s) 0: no completion after 2 s"), r1[4]
+        # the wait-for report: rank 0 was alive and said so
+        assert "\n  rank 0: runs outside the engine" in r1[4], r1[4]

@@ -1,0 +1,139 @@
+"""Schedule builders: golden tables, closed forms, a sweep of every builder, errors that say what works."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pipeengine.schedule import (Costs, Schedule, build_schedule, compile_schedule, simulate, theoretical_bubble,
+                                 validate)
+
+
+def compute_rows(s: Schedule) -> list[str]:
+    return [" ".join(str(a) for a in s.compute_actions(r)) for r in range(s.pp)]
+
+
+def test_1f1b_golden_pp4_m8() -> None:
+    assert compute_rows(build_schedule("1f1b", 4, 8)) == [
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+    ]
+
+
+def test_gpipe_golden_pp2_m3() -> None:
+    assert compute_rows(build_schedule("gpipe", 2, 3)) == ["F0 F1 F2 B0 B1 B2"] * 2
+
+
+def test_interleaved_golden_pp2_m2_v2() -> None:
+    assert compute_rows(build_schedule("interleaved-1f1b", 2, 2, 2)) == [
+        "F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1",   # position 0 warms up 2(p-1) + (v-1)p = 4 = everything
+        "F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1",
+    ]
+
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (1, 2, 3, 4, 7, 8, 16, 24)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("tf,tb", [(1, 1), (1, 2), (3, 2)])
+def test_gpipe_1f1b_makespan_and_bubble_closed_form(name: str, tf: int, tb: int) -> None:
+    for p, m in GRID:
+        r = simulate(compile_schedule(name, p, m), Costs(f=tf, b=tb, w=0))
+        assert r.makespan == (m + p - 1) * (tf + tb), (p, m)
+        for bubble in r.bubble:
+            assert bubble == pytest.approx((p - 1) / (m + p - 1))
+        assert r.mean_bubble == pytest.approx(theoretical_bubble(name, p, m))
+
+
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_bubble_time_shrinks_by_v(v: int) -> None:
+    costs = Costs(f=1.0, b=2.0, w=0.0)
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            ref = simulate(compile_schedule("1f1b", p, m), costs)
+            inter = simulate(compile_schedule("interleaved-1f1b", p, m, v), costs.per_chunk(v))
+            ideal = m * (costs.f + costs.b)
+            assert ref.makespan - ideal == pytest.approx((p - 1) * 3.0)
+            assert inter.makespan - ideal == pytest.approx((ref.makespan - ideal) / v), (p, m)
+            assert inter.mean_bubble == pytest.approx(theoretical_bubble("interleaved-1f1b", p, m, v))
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 2, 2), (3, 1, 2), (1, 1, 0.1), (2, 1, 1)])
+def test_zb_h1_beats_1f1b_without_more_memory(f: float, b: float, w: float) -> None:
+    costs = Costs(f, b, w)
+    for p in range(2, 9):
+        for m in (1, 2, p - 1, p, p + 1, 2 * p, 24):
+            if m < 1:
+                continue
+            zb = simulate(compile_schedule("zb-h1", p, m, costs=costs), costs)
+            ref = simulate(compile_schedule("1f1b", p, m), costs)
+            assert zb.makespan < ref.makespan, (p, m)
+            assert max(zb.peak_in_flight) <= max(ref.peak_in_flight), (p, m)
+
+
+def test_zb_h1_reaches_paper_figure_for_uniform_costs() -> None:
+    c = Costs(1, 1, 1)
+    for p in range(1, 9):
+        for m in range(p, 25):
+            r = simulate(compile_schedule("zb-h1", p, m, costs=c), c)
+            assert r.makespan == m * 3 + (p - 1) * 1, (p, m)
+            assert r.mean_bubble == pytest.approx(theoretical_bubble("zb-h1", p, m, costs=c))
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 1, 0.5), (1, 1, 0.25), (1, 2, 0.5), (2, 1, 1), (3, 2, 1)])
+def test_zb_h1_reaches_closed_form_for_non_uniform_costs(f: float, b: float, w: float) -> None:
+    c = Costs(f, b, w)
+    for p in range(2, 7):
+        for m in (p, p + 1, 2 * p, 3 * p):
+            r = simulate(compile_schedule("zb-h1", p, m, costs=c), c)
+            assert r.makespan == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w)), (p, m)
+
+
+SWEEP = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("forward", 1), ("forward", 2),
+         ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)]
+
+
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_every_builder_validates_and_simulates(pp: int) -> None:
+    for (name, v), m in itertools.product(SWEEP, range(1, 25)):
+        if name == "interleaved-1f1b" and pp > 1 and m % pp:
+            with pytest.raises(ValueError, match="multiple of pp"):
+                build_schedule(name, pp, m, v)
+            continue
+        s = compile_schedule(name, pp, m, v)
+        validate(s)  # compile validated already; validating twice must be idempotent
+        r = simulate(s, Costs(1.0, 2.0, 1.0, comm=0.5).per_chunk(v))
+        n_compute = sum(1 for step in (x for prog in s.programs for x in prog) if step[0].kind.is_compute)
+        per_mb = 1 if name == "forward" else (3 if name == "zb-h1" else 2)
+        assert n_compute == pp * v * m * per_mb
+        assert r.makespan > 0 and all(0.0 <= b < 1.0 for b in r.bubble)
+
+
+@pytest.mark.parametrize("name,pp,m,v,match", [
+    ("nope", 2, 2, 1, "unknown schedule 'nope'; choose one of gpipe"),
+    ("1f1b", 0, 2, 1, "pp must be an integer >= 1"),
+    ("1f1b", 2, 0, 1, "microbatches must be an integer >= 1"),
+    ("1f1b", 2, 4, 2, "use interleaved-1f1b for several chunks"),
+    ("interleaved-1f1b", 4, 6, 2, r"multiple of pp .*use microbatches=4 or 8"),
+    ("interleaved-1f1b", 4, 8, 1, "needs chunks >= 2"),
+])
+def test_builder_errors_say_what_works(name: str, pp: int, m: int, v: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_schedule(name, pp, m, v)
+
+
+@pytest.mark.parametrize("pp,m,suggestion", [
+    (4, 2, "use microbatches=4, or the 1f1b"),      # 0 is no choice: only 4
+    (3, 1, "use microbatches=3, or the 1f1b"),
+    (3, 7, "use microbatches=6 or 9, or the 1f1b"),
+    (4, 6, "use microbatches=4 or 8, or the 1f1b"),
+    (4, 13, "use microbatches=12 or 16, or the 1f1b"),
+])
+def test_interleaved_suggests_distinct_valid_microbatches(pp: int, m: int, suggestion: str) -> None:
+    with pytest.raises(ValueError, match="multiple of pp") as exc:
+        build_schedule("interleaved-1f1b", pp, m, 2)
+    assert suggestion in str(exc.value)
+    build_schedule("interleaved-1f1b", 3, 9, 2)  # a multiple: no error

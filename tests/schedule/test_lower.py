@@ -1,0 +1,82 @@
+"""Lowering: paired, batched comm inserted in the order a witness execution with the run's costs gives."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pipeengine.schedule import (Costs, DeadlockError, build_schedule, compile_schedule, format_schedule, lower,
+                                 parse_schedule, simulate, validate)
+from tests.schedule.test_builders import SWEEP
+
+
+def test_lowered_1f1b_pp2_m2_is_paired_and_batched() -> None:
+    s = compile_schedule("1f1b", 2, 2)
+    assert format_schedule(s).splitlines()[1:] == [
+        "F0 sendH0>1 sendF0>1 F1 sendF1>1+recvB0<1 B0 recvB1<1 B1",
+        "recvH0<0 recvF0<0 F0 recvF1<0 B0 sendB0>0 F1 B1 sendB1>0",
+    ]
+
+
+def test_compute_order_deadlock_is_reported_as_cycle() -> None:
+    s = parse_schedule("F0 B0 F1 B1\nF1 F0 B0 B1")
+    with pytest.raises(DeadlockError, match="deadlock: 0 -> 1 -> 0") as exc:
+        lower(s)
+    assert "position 0 waits at B0 for B0 on position 1" in str(exc.value)
+    assert "position 1 waits at F1 for F1 on position 0" in str(exc.value)
+
+
+def test_zb_h1_with_free_w_lowers_to_1f1b_makespan() -> None:
+    # w = 0: zb-h1 is 1F1B with free W's, so (m + p - 1)(f + b) = 11 * 3 = 33. Lowered with unit
+    # costs the H1 ordering posted its transfers in the wrong order for these costs and took 37.
+    c = Costs(f=1, b=2, w=0)
+    assert simulate(compile_schedule("zb-h1", 4, 8, costs=c), c).makespan == 33
+    assert simulate(build_schedule("zb-h1", 4, 8), c).makespan == 33  # simulate lowers with c
+    for lag_w in (True, False):
+        s = lower(build_schedule("zb-h1", 4, 8, lag_w=lag_w), c)
+        validate(s)
+        assert simulate(s, c).makespan == 33, lag_w
+        assert simulate(s, c, mode="rendezvous").makespan == 33, lag_w
+
+
+ZERO_COSTS = [Costs(0, 0, 0), Costs(1, 0, 0), Costs(0, 1, 0), Costs(0, 0, 1), Costs(0, 1, 1), Costs(1, 2, 0)]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_lower_with_zero_costs_is_valid_and_deterministic(pp: int) -> None:
+    for (name, v), m, c in itertools.product(SWEEP, (1, 2, pp, 2 * pp), ZERO_COSTS):
+        if name == "interleaved-1f1b" and m % pp:
+            continue
+        s = lower(build_schedule(name, pp, m, v), c)
+        validate(s)  # every send after its producer, every recv before its consumer, paired, no deadlock
+        assert s.programs == lower(build_schedule(name, pp, m, v), c).programs
+        assert simulate(s, c).makespan == simulate(build_schedule(name, pp, m, v), c).makespan
+    assert format_schedule(lower(build_schedule("1f1b", 2, 2), Costs(0, 0, 0))).splitlines()[1:] == [
+        "F0 sendH0>1 sendF0>1 F1 sendF1>1+recvB0<1 B0 recvB1<1 B1",
+        "recvH0<0 recvF0<0 F0 recvF1<0 B0 sendB0>0 F1 B1 sendB1>0",
+    ]
+
+
+def test_lower_default_is_unit_costs_and_ignores_float_rounding() -> None:
+    for (name, v), pp in itertools.product(SWEEP, (2, 3, 4)):
+        s = build_schedule(name, pp, 2 * pp, v)
+        assert lower(s).programs == lower(s, Costs()).programs == lower(s, Costs(2, 2, 2)).programs
+    # per-chunk costs 1/3 are unit costs scaled: same order (float sums of 1/3 must not break ties)
+    s = build_schedule("interleaved-1f1b", 6, 18, 3)
+    c = Costs(1, 1, 1, comm=0.5).per_chunk(3)
+    assert lower(s, c).programs == lower(s).programs
+    assert simulate(compile_schedule("interleaved-1f1b", 6, 18, 3, c), c).makespan == pytest.approx(130.5)
+    z = build_schedule("zb-h1", 4, 8)
+    assert lower(z, Costs(0.1, 0.2, 0.3)).programs == lower(z, Costs(1, 2, 3)).programs
+
+
+def test_lower_accepts_per_position_costs() -> None:
+    slow = [Costs(), Costs(f=3, b=1, w=1), Costs(), Costs()]
+    s = build_schedule("zb-h1", 4, 8)
+    lowered = lower(s, slow)
+    validate(lowered)
+    assert simulate(s, slow).makespan == simulate(lowered, slow).makespan
+    assert lowered.programs != lower(s).programs
+    with pytest.raises(ValueError, match="got 2 per-position costs for pp=4"):
+        lower(s, [Costs(), Costs()])

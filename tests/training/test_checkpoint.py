@@ -1,0 +1,293 @@
+"""Checkpoints: bitwise resume, re-partitioning, export to the plain model, crash safety, restarts, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine.training.checkpoint import CheckpointError, complete_checkpoints, latest, resolve
+from pipeengine.training.cli import parse_args
+from pipeengine.training.config import Config
+from pipeengine.training.export import export, main
+from pipeengine.training.trainer import run
+from tests.harness import ROOT, WorldPool, python_cli
+GPT = ["--model", "gpt", "--preset", "tiny", "--optimizer", "adamw", "--warmup", "2", "--eval-interval", "0",
+       "--log-interval", "100", "--timeline-interval", "0", "-m", "2", "--global-batch", "8", "--wire", "strict"]
+
+
+def trainer(tmp: str, name: str, *flags: str) -> Config:
+    return parse_args([*GPT, "--log-dir", os.path.join(tmp, "runs"), "--run-name", name, *flags])
+
+
+def train_runs(rank: int, world: int, runs: list[list[str]], tmp: str) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    out = []
+    for i, flags in enumerate(runs):
+        s = run(trainer(tmp, f"r{i}", *flags))
+        out.append({"losses": s["losses"], "first_step": s["first_step"], "val_loss": s["val_loss"]})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path, world4: WorldPool) -> None:
+    s0, d, p, q, iv = (str(tmp_path / n) for n in ("straight", "split", "pp4", "pp1", "interleaved"))
+    runs = [
+        ["--pp", "2", "--steps", "6", "--save-interval", "6", "--save-dir", s0],      # 0: uninterrupted, pp2 x dp2
+        ["--pp", "2", "--steps", "3", "--save-interval", "3", "--save-dir", d,         # 1: 3 steps, saved in the
+         "--async-save"],                                                              # background
+        ["--pp", "2", "--steps", "6", "--save-interval", "3", "--resume", "--save-dir", d,   # 2: resume + 3 steps
+         "--async-save"],
+        ["--pp", "4", "--steps", "4", "--save-interval", "3", "--save-dir", p],        # 3: pp4 saves at 3
+        ["--pp", "2", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 4: ... loaded at pp2 x dp2
+        ["--pp", "1", "--steps", "4", "--resume", os.path.join(p, "step-00000003")],   # 5: ... at pp1 x dp4
+        ["--pp", "2", "--steps", "5", "--schedule", "interleaved-1f1b",                # 6: ... interleaved, 2 chunks,
+         "--resume", os.path.join(p, "step-00000003"), "--save-interval", "4", "--save-dir", iv],   # saving at 4
+        ["--pp", "1", "--steps", "4", "--save-interval", "3", "--save-dir", q],        # 7: pp1 (both tied copies
+        ["--pp", "4", "--steps", "4", "--resume", os.path.join(q, "step-00000003")],   # 8: on one rank) -> pp4
+        ["--pp", "4", "--steps", "5", "--resume", os.path.join(iv, "step-00000004")],  # 9: interleaved -> pp4
+        ["--pp", "1", "--steps", "5", "--resume", os.path.join(iv, "step-00000004")],  # 10: interleaved -> pp1
+    ]
+    results = world4.run(train_runs, runs, str(tmp_path), timeout=280)
+    r = results[0]
+    assert r[2]["first_step"] == 3 and r[2]["losses"] == r[0]["losses"][3:], (r[0]["losses"], r[2]["losses"])
+    assert r[1]["losses"] == r[0]["losses"][:3]
+    for k in (4, 5, 6):   # the next step's loss after loading the pp=4 checkpoint elsewhere
+        assert r[k]["first_step"] == 3
+        torch.testing.assert_close(r[k]["losses"][0], r[3]["losses"][3], rtol=1e-5, atol=1e-6)
+    # the tied LM head's optimizer state was saved under the embedding's key: found under its own at pp=4
+    torch.testing.assert_close(r[8]["losses"][0], r[7]["losses"][3], rtol=1e-5, atol=1e-6)
+    # saved with interleaved chunks, loaded at pp=4: the next step's loss
+    for k in (9, 10):
+        torch.testing.assert_close(r[k]["losses"][0], r[6]["losses"][1], rtol=1e-5, atol=1e-6)
+    # parameters equal bitwise too: the straight run and the resumed one end in the same state
+    export(s0, str(tmp_path / "a.pt"))
+    export(d, str(tmp_path / "b.pt"))   # the newest: step 6
+    straight, resumed = (torch.load(tmp_path / n, weights_only=True) for n in ("a.pt", "b.pt"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    # export the step-3 checkpoint and evaluate the plain model: the pipeline's validation loss at step 3
+    out = str(tmp_path / "model.pt")
+    assert export(os.path.join(d, "step-00000003"), out) > 0
+    from pipeengine.models import data, gpt
+    from pipeengine.training.data import batches
+    cfg = gpt.presets()["tiny"]()
+    layers = gpt.build(cfg)
+    net = nn.Sequential(*layers)
+    net.load_state_dict(torch.load(out, weights_only=True))
+    src = data.ByteCorpus(block_size=cfg.block_size)
+    ((x, y),) = batches(src, "val", 3, 1234, 0, 1, 1, 2 * 2 * 2)
+    with torch.no_grad():
+        loss = gpt.loss_fn(net(x), y).item()
+    torch.testing.assert_close(loss, r[1]["val_loss"], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ crash safety and bad input (no torchrun)
+
+CRASH = r"""
+import os, sys, torch.distributed.checkpoint.filesystem as fs
+from pipeengine.training.cli import main
+write = fs.FileSystemWriter.write_data
+calls = [0]
+def dying(self, plan, planner):
+    calls[0] += 1
+    if calls[0] == 2:            # the second save dies half-way: the process is killed
+        os._exit(9)
+    return write(self, plan, planner)
+fs.FileSystemWriter.write_data = dying
+main(sys.argv[1:])
+"""
+cli = python_cli
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_and_is_ignored(tmp_path: Path) -> None:
+    d = str(tmp_path / "ck")
+    flags = ["--model", "mlp", "--steps", "4", "--save-interval", "2", "--save-dir", d, "--log-dir", str(tmp_path)]
+    p = cli(*flags, code=CRASH)
+    assert p.returncode == 9, p.stderr[-2000:]
+    found, partial = latest(d)
+    assert found is not None and found.endswith("step-00000002"), (found, os.listdir(d))
+    assert [os.path.basename(x) for x in partial] == [".tmp-step-00000004"]
+    assert resolve(d) == found
+    resumed = cli("pipeengine.train", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "ignoring incomplete checkpoint" in resumed.stdout and "at step 2" in resumed.stdout
+    assert [os.path.basename(x) for x in complete_checkpoints(d)] == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bad_checkpoints_give_one_line_errors_and_overwrite_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def tool(*args: str) -> tuple[int, str, str]:   # python -m pipeengine.checkpoint, in this process
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    d = str(tmp_path / "ck")
+    ok = cli("pipeengine.train", "--model", "mlp", "--steps", "2", "--save-interval", "2", "--save-dir", d,
+             "--log-dir", str(tmp_path))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    ck = resolve(d)
+    out = tmp_path / "keep.pt"
+    out.write_bytes(b"precious")
+    (tmp_path / "empty").mkdir()
+    cases = [(str(tmp_path / "missing"), "does not exist"), (str(tmp_path / "empty"), "holds no complete checkpoint"),
+             (str(out), "is a file")]
+    for path, msg in cases:
+        code, _, err = tool("export", path, str(out))
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    shard = next(Path(ck).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])   # truncated
+    code, _, err = tool("export", ck, str(out))
+    assert code == 2 and "could not be read" in err and len(err.strip().splitlines()) == 1, err
+    assert out.read_bytes() == b"precious"
+    # a checkpoint of another model: the key and both shapes are named
+    other = str(tmp_path / "other")
+    assert cli("pipeengine.train", "--model", "mlp", "--preset", "small", "--steps", "1", "--save-interval", "1",
+               "--save-dir", other, "--log-dir", str(tmp_path)).returncode == 0
+    with pytest.raises(SystemExit) as exc:
+        run(parse_args(["--model", "mlp", "--steps", "3", "--resume", other, "--log-dir", str(tmp_path)]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert "error: checkpoint" in err and "layers.0.weight of shape (256, 32), but the model's is (64, 32)" \
+        in err, err
+    code, stdout, _ = tool("inspect", other)
+    assert code == 0 and '"preset": "small"' in stdout and "tensors (" in stdout
+    manifest = Path(resolve(other)) / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])   # truncated
+    code, _, err = tool("inspect", other)
+    assert code == 2 and "cannot read its manifest.json" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_usage_and_which_folders_count_as_checkpoints(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main([])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve("/nonexistent/ck")
+    # a re-save of step 4 died between its renames: the old one (complete) still counts; a save that
+    # died before its manifest does not; step 6's re-save finished its swap but not the clean-up
+    for name in ("step-00000002", ".old-step-00000004", "step-00000006", ".old-step-00000006", ".tmp-step-00000008",
+                 "step-00000010"):
+        (tmp_path / name).mkdir()
+        if name != "step-00000010":
+            (tmp_path / name / "manifest.json").write_text("{}")
+    assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path))] == \
+        ["step-00000002", ".old-step-00000004", "step-00000006"]
+
+
+# ------------------------------------------------------------------ restart after a rank dies (real processes)
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_restarted_and_the_run_finishes_with_the_uninterrupted_loss(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="all")
+    flags = ["--model", "mlp", "--steps", "14", "--save-interval", "2", "--log-interval", "100",
+             "--eval-interval", "0", "--timeline-interval", "0"]   # no --resume: a restarted group resumes itself
+
+    def launch(name: str, kill: bool) -> tuple[str, float]:   # (output, seconds from the kill to "resumed")
+        cmd = ["bash", str(ROOT / "launch" / "pipe.sh"), "2", "cpus", "--max-restarts", "1", *flags,
+               "--save-dir", str(tmp_path / name), "--log-dir", str(tmp_path), "--run-name", name]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        out, killed_at, recovered = [], 0.0, 0.0
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if kill and not killed_at and "step-00000006" in line:   # a checkpoint exists: kill rank 1
+                pid = _worker_pid(proc.pid, rank=1)
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            if killed_at and not recovered and "resumed from" in line:
+                recovered = time.monotonic() - killed_at
+        proc.wait(timeout=200)
+        text = "".join(out)
+        assert proc.returncode == 0, text[-4000:]
+        return text, recovered
+
+    straight, _ = launch("straight", kill=False)
+    text, recovery = launch("killed", kill=True)
+    assert recovery and "restart 1: resuming from " in text, text[-3000:]
+    print(f"recovery: {recovery:.1f} s from the kill to the resumed state")
+    final = [json_summary(tmp_path, n)["final_loss"] for n in ("straight", "killed")]
+    assert final[0] == final[1], final
+    # the newest --keep 3 of the checkpoints every 2 steps, none left half-written
+    assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path / "killed"))] == \
+        ["step-00000010", "step-00000012", "step-00000014"]
+    assert not [n for n in os.listdir(tmp_path / "killed") if n.startswith(".")]
+
+
+def json_summary(tmp: Path, name: str) -> dict[str, Any]:
+    import json
+    return json.loads((tmp / name / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def _worker_pid(launcher: int, rank: int) -> int:
+    """The pid of the trainer process with RANK=rank below the launcher (pipe.sh -> torchrun -> workers)."""
+    for _ in range(100):
+        parents: dict[int, int] = {}
+        environs: dict[int, list[bytes]] = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                environs[int(pid)] = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        for pid, ppid in parents.items():
+            if launcher in (ppid, parents.get(ppid)) and f"RANK={rank}".encode() in environs[pid]:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no worker with RANK={rank} under launcher {launcher}")
+
+
+# ------------------------------------------------------------------ what earlier versions wrote still loads
+
+ASSETS = ROOT / "tests" / "assets"
+
+
+def test_a_checkpoint_written_before_the_restructuring_loads_bitwise(tmp_path: Path) -> None:
+    """tests/assets/checkpoint-v0: three layers trained 2 steps with AdamW by the code before the package
+    was split into schedule/runtime/training (flat config in its manifest; checkpoint meant recompute)."""
+    import torch.distributed as dist
+
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.training.checkpoint import load, manifest
+    from pipeengine.training.config import flat_config
+    want = torch.load(ASSETS / "checkpoint-v0-expected.pt", weights_only=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        torch.manual_seed(5)   # other weights than the saved ones: loading must replace them
+        layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
+        engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.AdamW(ps, lr=0.01),
+                                microbatches=2)
+        info = load(engine, str(ASSETS / "checkpoint-v0"))
+        assert info["step"] == 2 and engine.step_count == 2
+        assert all(torch.equal(p, w) for p, w in zip(engine.parameters, want["params"]))
+        for i, p in enumerate(engine.parameters):
+            assert all(torch.equal(engine.optimizer.state[p][k], v) for k, v in want["state"][i].items())
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)) for _ in range(2)]
+        assert engine.train_batch(iter(data)).loss == want["loss"]   # the next step, as the old code took it
+    finally:
+        dist.destroy_process_group()
+    old = flat_config(manifest(str(ASSETS / "checkpoint-v0" / "step-00000002"))["config"])
+    assert (old["model"], old["steps"], old["lr"], old["recompute"]) == ("mlp", 5, 0.01, "full")
+
+
+def test_a_config_file_written_before_sections_loads() -> None:
+    cfg = parse_args(["--config", str(ASSETS / "config-v0.toml")])
+    assert (cfg.model.name, cfg.optimizer.steps, cfg.recompute.policy, cfg.data.micro_batch_size) == \
+        ("mlp", 7, "full", 2)
+    assert cfg == parse_args(["--model", "mlp", "--steps", "7", "--recompute", "full", "-b", "2"])

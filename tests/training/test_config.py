@@ -1,0 +1,132 @@
+"""The trainer's settings, defined once: flags, --help, TOML files and checks generated from one declaration."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeengine.training.cli import parse_args, to_toml
+from pipeengine.training.config import Config, settings
+from tests.harness import ROOT
+
+
+def problem(flags: list[str], world: int, capsys: pytest.CaptureFixture[str]) -> str:
+    """What is wrong with these flags for this world: the command line's one line, or resolve()'s error."""
+    try:
+        cfg = parse_args(flags)
+    except SystemExit as exc:
+        assert exc.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        return err[0]
+    try:
+        cfg.resolve(world)
+    except ValueError as exc:
+        return str(exc)
+    return "no problem"
+
+
+@pytest.mark.parametrize("flags,world,match", [
+    (["--pp", "3"], 4, r"world size 4 is not divisible by --pp 3; use --pp in \[1, 2, 4\]"),
+    (["--pp", "2", "--dp", "3"], 4, r"pp=2 x dp=3 = 6 ranks, but the world has 4"),
+    (["--microbatches", "0"], 1, r"--microbatches must be >= 1 \(got 0\)"),
+    (["--global-batch", "30", "--microbatches", "4", "--pp", "2"], 4,
+     r"--global-batch 30 is not divisible by dp=2 x microbatches=4 = 8; use a multiple of 8"),
+    (["--schedule", "forward"], 1, r"--schedule 'forward' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+    (["--checkpoint", "some"], 1, r"--recompute must be 'none', 'full' or 'every:K'"),
+    (["--recompute", "every:0"], 1, r"every:K' with K >= 1 layers per region \(got 'every:0'\)"),
+    (["--keep", "-1"], 1, r"--keep must be >= 0 \(got -1\)"),
+    (["--save-interval", "-1"], 1, r"--save-interval must be >= 0 \(got -1\)"),
+    (["--partition", "time"], 1, r"--partition must be profile, parameters, uniform or stage bounds like 0,3,6,10"),
+    (["--memory-cap", "0"], 1, r"--memory-cap must be a positive number of GiB \(got 0\)"),
+    (["--memory-cap", "2", "--partition", "uniform"], 1, r"--memory-cap is planned for by --partition profile"),
+    (["--schedule", "interleaved-1f1b", "--chunks", "1"], 1, r"interleaved-1f1b needs --chunks >= 2 \(got 1\)"),
+    (["--schedule", "1f1b", "--chunks", "2"], 1, r"--schedule 1f1b runs one stage per position"),
+    (["--min-lr", "1", "--lr", "0.1"], 1, r"--min-lr 1 is above --lr 0.1"),
+    (["--lr", "-1"], 1, r"--lr must be a positive number \(got -1\)"),
+    (["--grad-clip", "nan"], 1, r"--grad-clip must be a positive, finite gradient norm \(got nan\)"),
+    (["--timeout", "inf"], 1, r"--timeout must be a positive number of seconds \(got inf\)"),
+    (["--timeout", "1e-6"], 1, r"--timeout 1e-06 s is shorter than one exchange between ranks can take"),
+    (["--seed", str(2**70)], 1, r"--seed must be a whole number from 0 to 2\*\*63 - 1"),
+    (["--optimizer", "lion"], 1, r"--optimizer 'lion' is not one of adamw, sgd"),
+])
+def test_bad_configs_are_explained(flags: list[str], world: int, match: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert re.search(match, problem(flags, world, capsys))
+
+
+def test_interleaved_defaults_to_two_chunks() -> None:
+    cfg = parse_args(["--schedule", "interleaved-1f1b"])
+    cfg.resolve(2)
+    assert cfg.schedule.chunks == 2
+    cfg = parse_args(["--schedule", "1f1b"])
+    cfg.resolve(2)
+    assert cfg.schedule.chunks == 1
+
+
+def test_every_setting_is_declared_once_with_a_flag_a_help_and_a_default() -> None:
+    flags = [f for s in settings() for f in (s.flag, *s.aliases, *([s.short] if s.short else []))]
+    assert len(flags) == len(set(flags))
+    assert all(s.help and s.flag.startswith("--") for s in settings())
+    sections = {"model", "data", "parallel", "schedule", "optimizer", "precision", "recompute", "saving", "faults",
+                "logging"}
+    assert {s.section for s in settings()} == sections
+    assert parse_args([]) == Config()   # the flags' defaults are the dataclasses' defaults
+
+
+def test_help_lists_every_default_and_every_preset_without_importing_torch() -> None:
+    code = ("import sys, pipeengine.training.cli as t\ntry:\n    t.parse_args(['--help'])\n"
+            "except SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
+    assert out.strip().endswith("TORCH False"), out[-300:]
+    text = " ".join(out[out.index("options:"):].split())   # argparse wraps lines
+    for flag, default in [("--lr", "0.003"), ("--warmup", "5"), ("--microbatches", "4"), ("--seed", "1234"),
+                          ("--grad-clip", "1.0"), ("--steps", "50"), ("--keep", "3"), ("--on-nonfinite", "stop")]:
+        after = text[text.index(f"{flag} "):]
+        assert f"(default: {default})" in after[:400], flag
+    assert ("gpt: tiny, small, gpt2-124m; resnet: tiny, resnet18, resnet18-gn, resnet50, resnet50-imagenet; mlp: "
+            "tiny, small, large") in text
+
+
+def test_the_engine_and_the_command_line_check_with_the_same_functions() -> None:
+    """One place per check: the command line takes the engine's choices and checks from runtime/options.py,
+    which imports no torch."""
+    from pipeengine.runtime import options
+    from pipeengine.training import config
+    assert config.PRECISIONS is options.PRECISIONS and config.WIRE_MODES is options.WIRE_MODES
+    assert config.check_timeout is options.check_timeout and config.parse_recompute is options.parse_recompute
+    code = "import sys, pipeengine.training.config, pipeengine.runtime.options; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout.strip() == \
+        "False"
+
+
+def test_config_file_then_flags_and_unknown_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('model = "mlp"\nsteps = 7\nmicro-batch-size = 2\nlr = 1\nsave_on_exit = true\n')
+    cfg = parse_args(["--config", str(path), "--steps", "9"])
+    assert (cfg.model.name, cfg.optimizer.steps, cfg.data.micro_batch_size, cfg.optimizer.lr, cfg.saving.on_exit) == \
+        ("mlp", 9, 2, 1.0, True)
+    # --print-config writes a complete file that reads back to the same settings
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--config", str(path), "--steps", "9", "--print-config"])
+    assert exc.value.code == 0
+    (tmp_path / "again.toml").write_text(capsys.readouterr().out)
+    assert parse_args(["--config", str(tmp_path / "again.toml")]) == cfg
+    text = to_toml(cfg)
+    assert text.count(" =") == len(list(settings())) and text.count("\n[") == 10   # every setting, by section
+    for text, message in [("stepz = 3\n", "unknown setting 'stepz'; did you mean 'steps'?"),
+                          ('steps = "many"\n', "steps = 'many' should be int"),
+                          ("steps = \n", "is not valid TOML"),
+                          ('optimizer = "lion"\n', "optimizer (in --config"),       # the flags' checks, from a file
+                          ('[optimizer]\nname = "lion"\n', "optimizer.name (in --config"),
+                          ('device = "tpu"\n', "'tpu' is not one of auto, cpu, cuda"),
+                          ("[optimizer]\nlrr = 1\n", "unknown setting 'lrr' in [optimizer]; did you mean 'lr'?"),
+                          ("grad_clip = nan\n", "must be a positive, finite gradient norm (got nan)")]:
+        path.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--config", str(path)])
+        assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,220 @@
+"""launch/pipe.sh: the real job through torchrun, its own checks, signals, and what it leaves behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import ROOT, pipe_sh, pipe_sh_job, start_pipe_sh_job
+
+
+def launch(tmp_path: Path, n: int, *flags: str, timeout: float = 240) -> dict[str, Any]:
+    """The job's summary.json, and what it printed (``stdout``)."""
+    proc = pipe_sh_job(tmp_path, n, *flags, timeout=timeout)
+    summary: dict[str, Any] = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary["stdout"] = proc.stdout + proc.stderr
+    return summary
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_pipe_sh_4_cpus_gpt_pp2_dp2_writes_tensorboard_views(tmp_path: Path) -> None:
+    s = launch(tmp_path, 4, "--model", "gpt", "--preset", "tiny", "--steps", "4", "--eval-interval", "2",
+               "--timeline-interval", "2", "--trace-step", "1", "--wire", "strict")   # as NCCL orders the wire
+    assert "4 ranks = pp 2 x dp 2" in s["stdout"]
+    assert "partition profile: bounds [0, " in s["stdout"] and "stage 1: layers " in s["stdout"]   # the default
+    assert (s["pp"], s["dp"]) == (2, 2)
+    assert math.isfinite(s["final_loss"]) and s["final_loss"] < s["first_loss"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    want = {"train/loss", "train/lr", "train/grad_norm", "time/step_s", "throughput/samples_per_s",
+            "throughput/tokens_per_s", "pipeline/bubble_measured", "pipeline/bubble_theoretical", "val/loss",
+            *(f"time/position{p}/{part}" for p in (0, 1) for part in ("compute", "bubble", "comm", "overhead", "sync"))}
+    assert want <= set(tags["scalars"]), want - set(tags["scalars"])
+    assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2, 3]
+    for e in acc.Scalars("throughput/samples_per_s") + acc.Scalars("throughput/tokens_per_s"):
+        assert e.value > 0
+    for tag in ("pipeline/bubble_measured", "pipeline/bubble_theoretical"):
+        assert all(0.0 <= e.value <= 1.0 for e in acc.Scalars(tag))
+    # simulator's bubble for 1F1B pp=2 m=4 with measured costs is near the closed form 1/5
+    assert 0.05 < acc.Scalars("pipeline/bubble_theoretical")[-1].value < 0.45
+    assert "pipeline/timeline" in tags["images"]
+    assert "custom_scalars__config__" in tags["tensors"]
+    assert "config/text_summary" in tags["tensors"]   # the resolved configuration, as TOML
+    trace = json.loads((tmp_path / "run" / "trace_step1.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"F0", "B0", "F3", "B3"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_resnet_and_mlp_train_under_pp2(tmp_path: Path) -> None:
+    r = launch(tmp_path / "r", 2, "--model", "resnet", "--preset", "tiny", "--steps", "2", "--micro-batch-size", "2",
+               "--eval-interval", "0")
+    assert r["pp"] == 2 and math.isfinite(r["final_loss"])
+    m = launch(tmp_path / "m", 2, "--model", "mlp", "--steps", "30", "--eval-interval", "0", "--lr", "1e-2")
+    assert m["pp"] == 2 and m["final_loss"] < 0.5 * m["first_loss"]
+
+
+def test_pipe_sh_usage_and_bad_arguments(tmp_path: Path) -> None:
+    h = pipe_sh("-h")
+    assert h.returncode == 0 and "launch/pipe.sh N gpus|cpus [--pp P]" in h.stdout and "NNODES" in h.stdout
+    bad = pipe_sh("3", "tpus")
+    assert bad.returncode == 2 and "second argument must be 'gpus' or 'cpus' (got 'tpus')" in bad.stderr
+    assert "N must be a positive integer (got 'x')" in pipe_sh("x", "cpus").stderr
+    assert "--pp 3 does not divide the world size 4" in pipe_sh("4", "cpus", "--pp", "3").stderr
+    assert "--max-restarts must be a whole number >= 0 (got 'x')" in pipe_sh("2", "cpus", "--max-restarts", "x").stderr
+    fake = tmp_path / "nvidia-smi"   # a node with one GPU
+    fake.write_text("#!/bin/sh\necho 'GPU 0: Fake'\n")
+    fake.chmod(0o755)
+    few = pipe_sh("8", "gpus", env={"PATH": str(tmp_path) + os.pathsep + os.environ["PATH"]})
+    assert few.returncode == 2 and "asked for 8 gpus but this node has 1" in few.stderr
+
+
+def test_pipe_sh_gpus_without_a_gpu_says_so_in_one_line_before_starting_workers(tmp_path: Path) -> None:
+    (tmp_path / "python").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\nexec {sys.executable} \"$@\"\n")
+    (tmp_path / "python").chmod(0o755)
+    r = pipe_sh("2", "gpus", "--model", "mlp", env={
+        "PYTHON": str(tmp_path / "python"),
+        "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                if not os.path.exists(os.path.join(p, "nvidia-smi")))})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("pipe.sh: asked for 2 gpus but no CUDA GPU is visible on this node; use "
+                        "'launch/pipe.sh 2 cpus'\n")
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 1 and "torch.cuda.device_count()" in calls[0]   # torch counted; no torchrun, no worker
+
+
+def test_pipe_sh_help_is_only_usage() -> None:
+    h = pipe_sh("-h")
+    assert h.returncode == 0 and h.stdout.startswith("launch/pipe.sh")
+    assert not any(line.startswith(("set ", "usage()", "if ")) for line in h.stdout.splitlines())
+    assert h.stdout.rstrip().endswith("Slurm: see launch/slurm.sbatch.")
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Leave nothing behind, whatever the test saw: the launcher's session, and its workers if reparented."""
+    for pid in _workers(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate(timeout=10)
+
+
+def _workers(launcher: int) -> list[int]:
+    """The trainer processes below ``launcher`` (pipe.sh -> torchrun -> workers)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    rows = [(int(p), int(pp), " ".join(a)) for p, pp, *a in (r.split() for r in out)]
+    below, found = {launcher}, []
+    for _ in range(4):
+        for pid, ppid, args in rows:
+            if ppid in below and pid not in below:
+                below.add(pid)
+                if "pipeengine.train" in args and "torch.distributed.run" not in args:
+                    found.append(pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) -> None:
+    proc = _endless(tmp_path, "--save-on-exit", "--save-dir", str(tmp_path / "ck"))
+    try:
+        _wait_for_step_line(proc, "step 3/")
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 130, err[-3000:]
+    assert elapsed < 15, elapsed
+    assert "SIGINT: every rank stopped after step" in err and "Traceback" not in err, err[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    done = summary["steps_done"]
+    assert summary["status"] == f"stopped by SIGINT after step {done}" and len(summary["losses"]) == done
+    assert os.path.isdir(tmp_path / "ck" / f"step-{done:08d}"), os.listdir(tmp_path / "ck")
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(150)
+def test_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
+    proc = _endless(tmp_path)
+    workers: list[int] = []
+    try:
+        _wait_for_step_line(proc, "step 2/")
+        torchrun = _workers_parent(proc.pid)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
+        os.kill(torchrun[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while any(_alive(w) for w in workers) and time.monotonic() - t0 < 20:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - t0
+    finally:
+        survivors = [w for w in workers if _alive(w)]
+        for w in survivors:
+            os.kill(w, signal.SIGKILL)
+        _kill_group(proc)
+    assert not survivors and elapsed < 10, elapsed
+
+
+def _workers_parent(launcher: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [int(r.split()[0]) for r in out if int(r.split()[1]) == launcher and "torch.distributed.run" in r]
+
+
+def _wait_for_step_line(proc: subprocess.Popen[str], text: str, limit: float = 90) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if text in line:
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"pipe.sh exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(f"no {text!r} within {limit} s")
+
+
+def test_pipe_sh_names_a_port_in_use_before_starting_anything() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = dict(os.environ, NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        proc = subprocess.run(["bash", str(ROOT / "launch" / "pipe.sh"), "1", "cpus"], capture_output=True,
+                              text=True, timeout=30, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"pipe.sh: port {port} on 127.0.0.1 is already in use; set MASTER_PORT to a free "
+                                   f"port (the same on every node)")
+
+
+def _endless(tmp_path: Path, *flags: str) -> subprocess.Popen[str]:
+    """An mlp run that would go on for a long time, printing a progress line every step."""
+    return start_pipe_sh_job(tmp_path, 2, "--model", "mlp", "--steps", "100000", "--log-interval", "1", *flags)

@@ -1,0 +1,140 @@
+"""The Trainer: one process decomposes its steps; progress on a terminal; every bad input is one line and status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeengine.training.cli import parse_args
+from pipeengine.training.trainer import run
+from tests.harness import ROOT
+
+
+@pytest.mark.timeout(120)
+def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = signal.getsignal(signal.SIGINT)
+    s = run(parse_args(["--model", "mlp", "--steps", "6", "--log-dir", str(tmp_path), "--run-name", "r", "--quiet"]))
+    assert signal.getsignal(signal.SIGINT) is before   # run() gives Ctrl-C back to its caller
+    out = capsys.readouterr().out
+    assert s["measured_bubble"] == 0.0 and s["theoretical_bubble"] == 0.0 and s["status"] == "done"
+    assert sum(s["step_parts"].values()) == pytest.approx(1.0, abs=0.02)
+    assert s["warmup_steps"] == 1 and s["timed_steps"] == [1, 2, 3, 4, 5]
+    assert "(5 timed steps, the first 1 left out as warm-up)" in out and "step time  compute " in out
+    assert "[####" not in out   # --quiet
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("pipeline/timeline")] == [1, 5]   # first step after warm-up, and the last
+    assert acc.Scalars("time/position0/bubble")[-1].value == 0.0
+    saved = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert saved["steps_done"] == 6 and saved["config"]["model"]["name"] == "mlp"
+
+
+@pytest.mark.timeout(120)
+def test_progress_on_a_terminal_is_one_updating_line_with_eta(tmp_path: Path) -> None:
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeengine.train", "--model", "mlp", "--steps", "8",
+                             "--log-dir", str(tmp_path)], cwd=ROOT, stdout=slave, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data.decode())
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    text = "".join(chunks)
+    progress = text[text.index("[", text.index("logs in")):text.index("=" * 72)]
+    updates = [u for u in progress.split("\r") if u.strip()]
+    assert proc.returncode == 0
+    assert len(updates) == 8 and all("ETA 0:00:" in u and "steps/s" in u for u in updates), updates
+    assert progress.count("\n") == 1   # only after the last update
+
+
+def _file(tmp: Path, name: str, data: bytes) -> str:
+    (tmp / name).write_bytes(data)
+    return str(tmp / name)
+
+
+BAD_INPUTS: list[tuple[list[str], str]] = [
+    (["--timeout", "0"], "error: --timeout must be a positive number of seconds (got 0)"),
+    (["--timeout", "-5"], "error: --timeout must be a positive number of seconds (got -5)"),
+    (["--warmup", "-5"], "error: --warmup must be >= 0 (got -5)"),
+    (["--min-lr", "-1"], "error: --min-lr must be a finite number >= 0 (got -1)"),
+    (["--global-batch", "-8"], "error: --global-batch must be a positive number of examples (got -8)"),
+    (["--steps", "10", "--trace-step", "12"], "error: --trace-step 12 is not one of the run's steps 0..9"),
+    (["--partition", "0,3"], "error: boundaries [0, 3] must be 2 strictly increasing indices from 0 to 8"),
+    (["--partition", "half"], "error: --partition must be profile, parameters, uniform or stage bounds like 0,3,6,10"),
+    (["--model", "mlp", "--eval-interval", "-1"], "error: --eval-interval must be >= 0 (got -1)"),
+    (["--data", "{tmp}/empty.txt"], "error: --data '{tmp}/empty.txt' is empty; give a text file"),
+    (["--data", "{tmp}/blob.bin"], "error: --data: '{tmp}/blob.bin' is binary (it holds NUL bytes), not text"),
+    (["--data", "{tmp}/short.txt"], "error: the train text has 9 bytes, fewer than block_size+1"),
+    (["--data", "{tmp}/nofiles"], "error: --data '{tmp}/nofiles' is empty (a folder without files)"),
+    (["--log-dir", "{tmp}/short.txt/logs"], "error: --log-dir '{tmp}/short.txt/logs' cannot be created: Not a "
+                                            "directory; choose a writable folder"),
+]
+
+
+@pytest.mark.timeout(120)
+def test_bad_inputs_give_one_line_and_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _file(tmp_path, "empty.txt", b"")
+    _file(tmp_path, "blob.bin", b"text\x00\x01\x02" * 100)
+    _file(tmp_path, "short.txt", b"0123456789")
+    (tmp_path / "nofiles").mkdir()
+    for flags, message in BAD_INPUTS:
+        flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+        if "--log-dir" not in flags:
+            flags += ["--log-dir", str(tmp_path / "runs")]
+        with pytest.raises(SystemExit) as exc:   # a bad value on the command line, or met in set-up
+            run(parse_args(["--steps", "2", *flags]))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2, (flags, err)
+        assert len(err) == 1 and err[0].startswith(message.replace("{tmp}", str(tmp_path))), (flags, err)
+        assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags,match", [
+    (["--model", "mlp", "--schedule", "interleaved-1f1b", "--chunks", "16", "--microbatches", "4"],
+     "mlp (tiny) has 10 layers but pp=1 x chunks=16 needs 16 stages"),
+    (["--model", "gpt", "--preset", "huge"], "--preset 'huge' is not a gpt preset; choose tiny, small"),
+    (["--model", "gpt", "--data", "/nonexistent/corpus.txt"], "--data '/nonexistent/corpus.txt' does not exist"),
+    (["--model", "mlp", "--precision", "fp16"], "precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU"),
+    (["--model", "mlp", "--resume", "/nonexistent/ck"], "checkpoint '/nonexistent/ck' does not exist"),
+])
+def test_trainer_prints_clear_error(flags: list[str], match: str, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(parse_args(["--log-dir", str(tmp_path), *flags]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert match in err and "Traceback" not in err, err[-2000:]
+
+
+def test_the_command_line_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pipeengine.train", "--log-dir", str(tmp_path), "--model", "gpt",
+                           "--data", "/nonexistent/corpus.txt"], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "error: --data '/nonexistent/corpus.txt' does not exist; give a text file or a " \
+                                  "folder of text files", proc.stderr[-2000:]
