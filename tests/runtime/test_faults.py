@@ -95,6 +95,7 @@ def mismatch_worker(rank: int, world: int) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_with_different_models_are_told_which_layer_differs() -> None:
     r0, r1 = run_distributed(mismatch_worker, 2, timeout=100)

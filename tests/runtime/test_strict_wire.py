@@ -32,6 +32,7 @@ def out_of_order_worker(rank: int, world: int) -> list[str]:
     return [*out, hand]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_out_of_order_schedule_hangs_in_strict_mode_and_a_hand_written_one_runs() -> None:
     """(The validator rejects the first and proves the second: schedule/test_verify.py.)"""

@@ -102,7 +102,7 @@ def exchange(rank: int, world: int, mode: str) -> list[str]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["tags", "strict", "coalesced"])
+@pytest.mark.parametrize("mode", [pytest.param("tags", marks=pytest.mark.slow), "strict", "coalesced"])
 def test_header_steps_tuples_shape_change_and_posted_ops(mode: str, request: pytest.FixtureRequest) -> None:
     if mode == "tags":   # it times out on purpose at the end: fresh ranks
         r0, r1 = run_distributed(exchange, 2, mode, timeout=80)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ROOT, pipe_sh, pipe_sh_job, start_pipe_sh_job
+from tests.harness import ROOT, WorldPool, pipe_sh, pipe_sh_job, start_pipe_sh_job
 
 
 def launch(tmp_path: Path, n: int, *flags: str, timeout: float = 240) -> dict[str, Any]:
@@ -62,12 +62,19 @@ def test_pipe_sh_4_cpus_gpt_pp2_dp2_writes_tensorboard_views(tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.launcher
 @pytest.mark.timeout(300)
-def test_resnet_and_mlp_train_under_pp2(tmp_path: Path) -> None:
+def test_resnet_and_mlp_train_under_pp2(tmp_path: Path, world2: WorldPool) -> None:
     r = launch(tmp_path / "r", 2, "--model", "resnet", "--preset", "tiny", "--steps", "2", "--micro-batch-size", "2",
                "--eval-interval", "0")
     assert r["pp"] == 2 and math.isfinite(r["final_loss"])
-    m = launch(tmp_path / "m", 2, "--model", "mlp", "--steps", "30", "--eval-interval", "0", "--lr", "1e-2")
+    m = world2.run(_train, ["--model", "mlp", "--steps", "30", "--eval-interval", "0", "--lr", "1e-2", "--pp", "2",
+                            "--log-dir", str(tmp_path / "m"), "--quiet"])[0]   # the same trainer, ranks reused
     assert m["pp"] == 2 and m["final_loss"] < 0.5 * m["first_loss"]
+
+
+def _train(rank: int, world: int, flags: list[str]) -> dict[str, Any]:
+    from pipeengine.training.cli import parse_args
+    from pipeengine.training.trainer import run
+    return run(parse_args(flags))
 
 
 def test_pipe_sh_usage_and_bad_arguments(tmp_path: Path) -> None:
