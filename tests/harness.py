@@ -34,6 +34,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _context() -> Any:
+    """Processes forked from a server that imported torch once (a spawned rank spends seconds importing it).
+
+    The server only imports; it runs no torch op and starts no thread pool, so its forks are clean.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pipeengine.runtime.engine", "tests.harness"])
+    return ctx
+
+
 def _init(rank: int, world_size: int, port: int, pg_timeout: float) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -106,7 +116,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     failing rank's traceback if any rank fails, and ``TimeoutError`` if the ranks do not all
     finish within ``timeout`` seconds (the processes are then killed, never left hanging).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, pg_timeout), daemon=True)
@@ -148,7 +158,7 @@ class WorldPool:
         self._procs: list[Any] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._results = ctx.SimpleQueue()
         self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
         port = free_port()
