@@ -66,15 +66,16 @@ def _call(rank: int, world_size: int, fn: Callable[..., Any], args: tuple[Any, .
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           queue: Any, pg_timeout: float) -> None:
+           queue: Any, pg_timeout: float, everyone_done: Any) -> None:
     try:
         _init(rank, world_size, port, pg_timeout)
         queue.put((rank, *_call(rank, world_size, fn, args)))
     except BaseException as exc:  # report every failure to the parent
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if rank == 0:   # it hosts the store: a rank still assembling a wait-for report must find it there
+        everyone_done.wait(timeout=60)
+    os._exit(0)     # no teardown of the group: the peers are leaving too (a closed connection is how a
+    #                 blocked peer learns that this rank is gone), and Gloo's teardown would wait for them
 
 
 def _collect(queue: Any, procs: list[Any], world_size: int, timeout: float) -> list[Any]:
@@ -118,14 +119,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     ctx = _context()
     queue = ctx.SimpleQueue()
+    done = ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, pg_timeout), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, pg_timeout, done), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     try:
         return _collect(queue, procs, world_size, timeout)
     finally:
+        done.set()
         _stop(procs)
 
 
