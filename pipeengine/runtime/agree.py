@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["raise_if_any", "on_every_rank", "decided_by_rank0"]
+__all__ = ["raise_if_any", "on_every_rank", "gathered", "decided_by_rank0"]
 
 T = TypeVar("T")
 
@@ -42,6 +42,17 @@ def on_every_rank(fn: Callable[[], T], *, catch: tuple[type[BaseException], ...]
         error = describe(exc) or type(exc).__name__
     raise_if_any(error, raise_as, group)
     return result   # type: ignore[no-any-return]
+
+
+def gathered(value: T | None, error: str | None, raise_as: Callable[[str], BaseException] = ValueError,
+             group: Any = None) -> list[T]:
+    """Every rank's ``value`` (one all-gather), or the first rank's ``error`` raised on every rank."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, _Failed(error) if error else value, group=group)
+    failed = next((v for v in everyone if isinstance(v, _Failed)), None)
+    if failed is not None:
+        raise raise_as(failed.message)
+    return everyone
 
 
 def decided_by_rank0(fn: Callable[[], T], *, catch: tuple[type[BaseException], ...] = (ValueError,),

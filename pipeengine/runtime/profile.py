@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agree import gathered
 from .device import synchronize
 from .layers import LayerSpec, build_layer
 from .planner import LayerCost, partition
@@ -129,17 +130,13 @@ def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any
                          "to time the layers on (or choose partition='parameters')")
     n, rank, world = len(specs), dist.get_rank(), dist.get_world_size()
     owners = min(n, world)
-    result: Any = []
+    result: list[LayerCost] | str = []
     if rank < owners:
         shares = partition(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
         result = _profile_share(specs, shares[rank], shares[rank + 1], seed, sample, loss_fn, device, precision,
                                 split, rank, owners)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, result)
-    failed = next((r for r in everyone if isinstance(r, str)), None)
-    if failed:
-        raise ValueError(failed)
-    return [c for r in everyone for c in r]
+    everyone = gathered(result if isinstance(result, list) else None, result if isinstance(result, str) else None)
+    return [c for costs in everyone if costs for c in costs]
 
 
 def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, sample: tuple[Any, Any],
