@@ -11,6 +11,8 @@ import pytest
 # Tests import the harness as `tests.harness`; make the repo root importable when pytest runs from anywhere.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch.distributed as dist  # noqa: E402
+
 from tests.harness import WorldPool  # noqa: E402
 
 
@@ -20,6 +22,12 @@ def _pool(world_size: int) -> Iterator[WorldPool]:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def world1() -> Iterator[WorldPool]:
+    """One Gloo rank in a process of its own (the engine at pp = 1, dp = 1, beside the others)."""
+    yield from _pool(1)
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +44,13 @@ def world4() -> Iterator[WorldPool]:
 @pytest.fixture(scope="session")
 def world8() -> Iterator[WorldPool]:
     yield from _pool(8)
+
+
+@pytest.fixture
+def one_process_group() -> Iterator[None]:
+    """A Gloo group of this process alone (for the engine in one process), torn down after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -19,10 +19,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .grad_sync import grad_sq_norm
 from .numerics import SignalVector, StepSignals
+from .plan import Plan
 from .stage import Stage
 from .topology import ProcessGroups, Topology
 
@@ -42,14 +41,17 @@ class Consensus:
         self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
         self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
 
-    def signals(self, stages: Sequence[Stage], stage_params: Sequence[Sequence[nn.Parameter]],
-                skips: Sequence[bool], norm_skip: set[int]) -> StepSignals:
+    def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int]) -> StepSignals:
         """Gradient norm, loss and non-finite flags of the whole pipeline: one all-reduce over it."""
-        vec = SignalVector(self.num_stages, self.device)
-        for st, params, skip in zip(stages, stage_params, skips):
-            sq = grad_sq_norm(params)
-            vec.add_grad_sq(grad_sq_norm(params, norm_skip) if skip else sq)
-            vec.add_stage(st.index, st.nonfinite, (~torch.isfinite(sq)).double())
+        vec = SignalVector(self.num_stages, sum(plan.param_counts), self.device)
+        for st in stages:
+            stage_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+            for index, layer in zip(plan.layers_of(st.index), st.module.layers):
+                params = list(layer.parameters())
+                squares = _squares([p if id(p) not in norm_skip else None for p in params], self.device)
+                vec.set_grad_sq(plan.param_slot(index), squares)
+                stage_sq += _squares(params, self.device).sum()   # tied copies too: any non-finite gradient
+            vec.add_stage(st.index, st.nonfinite, (~torch.isfinite(stage_sq)).double())
         if stages[-1].is_last:
             vec.set_loss(torch.stack(stages[-1].losses).double().sum())
         if self.topology.pp > 1:
@@ -74,3 +76,14 @@ class Consensus:
             self.wait(dist.broadcast(value, src=self.last_rank, group=self.groups.pp_group, async_op=True),
                       "the loss broadcast", self.pp_peers)
         return self.mean_over_replicas(float(value))
+
+
+def _squares(params: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """Each parameter's squared gradient norm (float64; 0 for None or no gradient): per-tensor norms in the
+    gradients' own dtype (one fused kernel), squared in float64."""
+    grads = [(i, p.grad.detach()) for i, p in enumerate(params) if p is not None and p.grad is not None]
+    out = torch.zeros(len(params), dtype=torch.float64, device=device)
+    if grads:
+        norms = torch.stack([n.double() for n in torch._foreach_norm([g for _, g in grads])])
+        out[torch.tensor([i for i, _ in grads], device=device)] = norms.pow(2)
+    return out

@@ -29,7 +29,7 @@ from .local import LocalModel
 from .numerics import LossScale, NonFiniteError, nonfinite_message
 from .options import STARTUP_TIMEOUT, check_engine_arguments
 from .plan import Plan, make_plan
-from .stage import LayerChain, Stage
+from .stage import LayerChain, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .tensors import to_device
 from .topology import Topology
@@ -289,8 +289,7 @@ class PipelineEngine:
 
     def _decide(self, result: StepResult) -> None:
         """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""
-        signals = self.consensus.signals(self.stages, self.local.stage_params, self.local.stage_skips,
-                                         self.ties.norm_skip)
+        signals = self.consensus.signals(self.stages, self.plan, self.ties.norm_skip)
         result.grad_norm = math.sqrt(signals.grad_sq)
         result.loss = self.consensus.mean_over_replicas(signals.loss)
         overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
@@ -335,12 +334,13 @@ class PipelineEngine:
             st.reset()
         state = _StepState(train, keep_outputs, *self._read_data(data_iter))
         self.wire.begin_step()
-        for idx, step in enumerate(program):
-            if train and idx in self._arm_at:
-                self.grad_sync.arm(self._arm_at[idx])
-            self._execute(step, state)
-            if train and idx == self._last_backward:
-                self.grad_sync.start()
+        with cast_cache_scope(self.device, self.precision):   # one low-precision copy per weight and step
+            for idx, step in enumerate(program):
+                if train and idx in self._arm_at:
+                    self.grad_sync.arm(self._arm_at[idx])
+                self._execute(step, state)
+                if train and idx == self._last_backward:
+                    self.grad_sync.start()
         self.watch.doing = "waiting for the step's sends"
         if self.topology.pp > 1:
             start = self.clock.mark()

@@ -1,4 +1,4 @@
-"""Gradient synchronisation: bucketed async DP all-reduce, buffer broadcast, global grad norm and clipping."""
+"""Gradient synchronisation: bucketed async DP all-reduce, buffer broadcast, clipping to the global norm."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from ..schedule import Kind, Step
 from .faults import Watch
 
-__all__ = ["GradSync", "final_gradients", "broadcast_buffers", "grad_sq_norm", "clip_grad_norm"]
+__all__ = ["GradSync", "final_gradients", "broadcast_buffers", "clip_grad_norm"]
 
 
 class GradSync:
@@ -153,19 +153,6 @@ def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any,
             for b in bs:
                 b.copy_(flat[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
-
-
-def grad_sq_norm(params: Sequence[nn.Parameter], skip: set[int] | None = None) -> torch.Tensor:
-    """Sum of the squared gradient norms of ``params`` except ``skip`` (ids), float64, on their device.
-
-    Per-tensor norms in the gradients' own dtype (one fused kernel, no float64 copies), combined in
-    float64. The engine all-reduces the sums over the pipeline, leaving out tied copies that another
-    rank counts (``skip``), so every logical parameter is counted once.
-    """
-    grads = [p.grad.detach() for p in params if p.grad is not None and id(p) not in (skip or ())]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=next((p.device for p in params), torch.device("cpu")))
-    return torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, norm: float) -> None:

@@ -40,10 +40,6 @@ class LocalModel:
         del mine
         self.parameters: list[nn.Parameter] = list({id(p): p for st in self.stages
                                                    for p in st.module.parameters()}.values())
-        # a parameter shared by two of this rank's stages belongs to the later one
-        owner = {id(p): c for c in reversed(range(len(self.stages))) for p in self.stages[c].module.parameters()}
-        self.stage_params = [[p for p in self.parameters if owner[id(p)] == c] for c in range(len(self.stages))]
-        self.stage_skips = [any(id(p) in self.ties.norm_skip for p in ps) for ps in self.stage_params]
         self.buffers = [b for st in self.stages for b in st.module.buffers()]
         self._start_equal(topology, position)
 

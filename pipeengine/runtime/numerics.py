@@ -28,28 +28,41 @@ class StepSignals:
 class SignalVector:
     """The float64 vector a step all-reduces over its pipeline: the layout of :class:`StepSignals` in one place.
 
-    ``[grad_sq, loss, (outputs, grads) per stage]``; each rank adds its share in place on the device
-    (no host sync until the all-reduce has been waited for).
+    ``[loss, (outputs, grads) per stage, squared norm per parameter]``; each rank adds its share in
+    place on the device (no host sync until the all-reduce has been waited for).
+
+    [Note: the norm in the model's order]
+    Each parameter's squared gradient norm has a slot of its own, in the model's parameter order
+    (layer by layer, ``plan.param_slot``), written by the one rank that counts it; after the
+    all-reduce (a sum of one value and zeros: exact) every rank adds the slots in that order. The
+    norm, and so the clipping, is the same to the last bit whatever the split, where per-rank
+    partial sums would add the same numbers in another order.
     """
 
-    def __init__(self, num_stages: int, device: torch.device) -> None:
-        self.num_stages = num_stages
-        self.tensor = torch.zeros(2 + 2 * num_stages, dtype=torch.float64, device=device)
+    def __init__(self, num_stages: int, num_params: int, device: torch.device) -> None:
+        self.num_stages, self.num_params = num_stages, num_params
+        self.tensor = torch.zeros(1 + 2 * num_stages + num_params, dtype=torch.float64, device=device)
 
-    def add_grad_sq(self, value: torch.Tensor) -> None:
-        self.tensor[0] += value
+    def set_grad_sq(self, first: int, squares: torch.Tensor) -> None:
+        """The squared norms of parameters ``first``, ``first + 1``, ... (in the model's order)."""
+        start = 1 + 2 * self.num_stages + first
+        self.tensor[start:start + len(squares)] = squares
 
     def set_loss(self, value: torch.Tensor) -> None:
-        self.tensor[1] = value
+        self.tensor[0] = value
 
     def add_stage(self, stage: int, outputs_and_grads: torch.Tensor, grads_nonfinite: torch.Tensor) -> None:
         """A stage's non-finite counts (outputs, input gradients), and whether its weight gradients are."""
-        self.tensor[2 + 2 * stage:4 + 2 * stage] += outputs_and_grads
-        self.tensor[3 + 2 * stage] += grads_nonfinite
+        self.tensor[1 + 2 * stage:3 + 2 * stage] += outputs_and_grads
+        self.tensor[2 + 2 * stage] += grads_nonfinite
 
     def decode(self) -> StepSignals:
         values = self.tensor.tolist()
-        return StepSignals(values[0], values[1], values[2::2], values[3::2])
+        flags = values[1:1 + 2 * self.num_stages]
+        grad_sq = 0.0
+        for square in values[1 + 2 * self.num_stages:]:   # in the model's order: see the note
+            grad_sq += square
+        return StepSignals(grad_sq, values[0], flags[0::2], flags[1::2])
 
 
 def nonfinite_message(step: int, signals: StepSignals, grad_norm: float, replica: int,

@@ -41,6 +41,7 @@ class Plan:
     num_layers: int
     costs: Costs | None = None
     choice: Choice | None = field(default=None, compare=False)
+    param_counts: tuple[int, ...] = ()   # parameter tensors per layer (the norm's fixed order, numerics.py)
 
     @property
     def num_stages(self) -> int:
@@ -48,6 +49,10 @@ class Plan:
 
     def layers_of(self, stage: int) -> range:
         return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def param_slot(self, layer: int) -> int:
+        """Index of layer ``layer``'s first parameter in the model's parameter order (see numerics.py)."""
+        return sum(self.param_counts[:layer])
 
     def stage_of_layer(self, layer: int) -> int:
         return next(s for s in range(self.num_stages) if self.bounds[s] <= layer < self.bounds[s + 1])
@@ -116,7 +121,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         costs = choice.mean_costs()   # the communication order (and zb-h1's variant) from the measured costs
         compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
     eval_schedule = compile_schedule("forward", pp, compiled.microbatches, compiled.chunks)
-    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice)
+    counts = tuple(len(list(m.parameters())) for m in sizing)
+    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, counts)
 
 
 def _check_same_everywhere(seed: int, sizing: Sequence[Any], agree: dict[str, Any]) -> None:

@@ -6,6 +6,21 @@ on the same rank) and its floating-point tensors become leaves with ``requires_g
 Backward of the stage therefore stops at its own inputs and ``input.grad`` is exactly what the
 previous stage needs. The graph never spans two stages.
 
+[Note: stage boundary dtype]
+Under bf16/fp16 autocast a stage's output goes on the wire in the dtype its last layer produced:
+a residual stream that autocast keeps in fp32 stays fp32, a bf16 activation stays bf16. Casting
+every boundary to the low precision (as this engine once did) made the numerics depend on where
+the model was split, so two runs that profiled different bounds could train differently.
+
+[Note: one weight cast per step]
+Autocast caches the low-precision copy of a leaf that requires grad (a weight) for as long as the
+outermost autocast region stays open. Opened per microbatch, each microbatch's forward casts every
+weight anew and saves its own copy for backward, so a stage with k microbatches in flight held k
+copies (16 B/param at pp 8). The engine therefore keeps one (disabled) autocast region open around
+a step's whole program (:func:`cast_cache_scope`): every microbatch's forward, recompute and
+backward share one copy per weight, dropped when the region closes, before the optimizer step.
+The values are those of a cast per microbatch, bit for bit.
+
 [Note: free at the earliest point]
 Per microbatch a stage keeps only what backward needs, and only as long as it needs it:
 
@@ -42,9 +57,9 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .backward import WeightGroup, backward_keeping, backward_weights, run_backward, weight_groups
 from .options import PRECISIONS, check_choice, parse_recompute
-from .tensors import describe_value, detach, device_of, floating, to_float, tree_map
+from .tensors import describe_value, detach, device_of, floating, to_float
 
-__all__ = ["LayerChain", "LayerError", "Stage", "DTYPES"]
+__all__ = ["LayerChain", "LayerError", "Stage", "DTYPES", "cast_cache_scope"]
 
 Tensors = tuple[torch.Tensor, ...]
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,8 +106,30 @@ class LayerChain(nn.Module):
         return x
 
 
+def cast_cache_scope(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """The region in which a step's weight casts are shared (see [Note: one weight cast per step])."""
+    if DTYPES[precision] is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def _deallocate(t: torch.Tensor, inputs: Tensors) -> None:
-    """Swap a root's storage for an empty one (see [Note: free at the earliest point])."""
+    """Swap a root's storage for an empty one (see [Note: stage boundary dtype]
+Under bf16/fp16 autocast a stage's output goes on the wire in the dtype its last layer produced:
+a residual stream that autocast keeps in fp32 stays fp32, a bf16 activation stays bf16. Casting
+every boundary to the low precision (as this engine once did) made the numerics depend on where
+the model was split, so two runs that profiled different bounds could train differently.
+
+[Note: one weight cast per step]
+Autocast caches the low-precision copy of a leaf that requires grad (a weight) for as long as the
+outermost autocast region stays open. Opened per microbatch, each microbatch's forward casts every
+weight anew and saves its own copy for backward, so a stage with k microbatches in flight held k
+copies (16 B/param at pp 8). The engine therefore keeps one (disabled) autocast region open around
+a step's whole program (:func:`cast_cache_scope`): every microbatch's forward, recompute and
+backward share one copy per weight, dropped when the region closes, before the optimizer step.
+The values are those of a cast per microbatch, bit for bit.
+
+[Note: free at the earliest point])."""
     if t.grad_fn is not None and t._base is None and not any(t is x for x in inputs):
         t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
 
@@ -118,7 +155,7 @@ class Stage:
         self.is_last = index == num_stages - 1
         self.loss_fn = loss_fn
         self.microbatches = microbatches
-        self.dtype = DTYPES[precision]          # autocast and wire dtype; None: fp32 throughout
+        self.dtype = DTYPES[precision]          # autocast dtype; None: fp32 throughout
         self.loss_scale = 1.0                   # fp16: the engine's dynamic loss scale
         per = parse_recompute(recompute)
         layers = list(module.layers)
@@ -172,9 +209,7 @@ class Stage:
                 out = self._run_layers(x)
             if self.is_last:
                 roots = self._loss(mb, out, target, train, keep_output)
-            else:
-                if self.dtype is not None:   # activations travel in the low precision
-                    out = tree_map(out, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+            else:   # passed on in the dtype the unsplit model has here (see [Note: stage boundary dtype])
                 roots = tuple(floating(out))
         if not train:
             return None if self.is_last else out

@@ -103,10 +103,14 @@ def test_recompute_changes_nothing_bit_for_bit_with_dropout(sched: str, request:
             assert all(torch.equal(other["params"][name], v) for name, v in base["params"].items())
 
 
-def test_tied_copies_on_one_rank_are_one_parameter(request: pytest.FixtureRequest) -> None:
+def test_tied_copies_on_one_rank_stay_two_and_equal(request: pytest.FixtureRequest) -> None:
+    """Both ends of a tie on one rank keep a copy each (their gradients summed in tie order, as across ranks:
+    see [Note: tied copies are summed in tie order]), and stay bit-identical."""
     tied = results(case("tied", "adam", "1f1b", 1, 2, 4), request)
     untied = results(case("mlp", "sgd", "1f1b", 1, 2, 4), request)
-    assert tied[0]["num_params"] == untied[0]["num_params"] - DIM * DIM
+    assert tied[0]["num_params"] == untied[0]["num_params"]
+    for r in tied:
+        assert torch.equal(r["params"]["0.0.weight"], r["params"]["4.0.weight"])
 
 
 def test_batchnorm_statistics_are_replica_0s_on_every_replica(request: pytest.FixtureRequest) -> None:

@@ -28,9 +28,9 @@ def test_fp16_scaling_follows_overflows() -> None:
 
 
 def test_signal_vector_decodes_what_each_stage_added() -> None:
-    vec = SignalVector(3, torch.device("cpu"))
-    vec.add_grad_sq(torch.tensor(4.0, dtype=torch.float64))
-    vec.add_grad_sq(torch.tensor(5.0, dtype=torch.float64))
+    vec = SignalVector(3, 4, torch.device("cpu"))
+    vec.set_grad_sq(0, torch.tensor([4.0], dtype=torch.float64))
+    vec.set_grad_sq(2, torch.tensor([2.0, 3.0], dtype=torch.float64))
     vec.set_loss(torch.tensor(2.5, dtype=torch.float64))
     vec.add_stage(1, torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     s = vec.decode()

@@ -1,0 +1,58 @@
+"""Bitwise the same whatever the split: at a fixed dp, losses and parameters do not depend on pp, the schedule
+or the partition (fp32 and bf16). A GPT with its LM head tied to the embedding, the gradient norm clipped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import WorldPool
+
+STEPS, M, ROWS = 3, 4, 2
+# (pp, schedule, chunks, partition): 8 layers (embedding, 6 blocks, head)
+SPLITS = [(1, "1f1b", 1, "uniform"),
+          (2, "1f1b", 1, "uniform"), (2, "1f1b", 1, (0, 3, 8)), (2, "gpipe", 1, (0, 6, 8)), (2, "zb-h1", 1, "uniform"),
+          (2, "interleaved-1f1b", 2, "uniform"),
+          (4, "1f1b", 1, "uniform"), (4, "zb-h1", 1, (0, 1, 2, 7, 8)), (4, "interleaved-1f1b", 2, "uniform")]
+
+
+def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, precision: str) -> dict[str, Any]:
+    from pipeengine.models import gpt
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.topology import Topology
+    cfg = gpt.Config(block_size=16, n_layer=6, n_head=2, n_embd=32)
+    layers = gpt.layer_factories(cfg)
+    engine = PipelineEngine(layers, gpt.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                            topology=Topology(world, 1), schedule=schedule, microbatches=M, chunks=chunks,
+                            partition=list(partition) if isinstance(partition, tuple) else partition, seed=7,
+                            tied=gpt.tied_parameters(len(layers)), grad_clip=0.5, precision=precision, wire="strict")
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        seq = torch.randint(0, 256, (M * ROWS, cfg.block_size + 1), generator=g)
+        data = [(seq[k * ROWS:(k + 1) * ROWS, :-1], seq[k * ROWS:(k + 1) * ROWS, 1:]) for k in range(M)]
+        losses.append(engine.train_batch(iter(data)).loss)
+    params = {k: v.clone() for k, v in engine.state_dict().items() if k.startswith("layers.")}
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_losses_and_parameters_are_bitwise_the_same_at_every_split(
+        precision: str, request: pytest.FixtureRequest) -> None:
+    runs = {}
+    for pp, schedule, chunks, partition in SPLITS:
+        pool: WorldPool = request.getfixturevalue(f"world{pp}")
+        ranks = pool.run(train, schedule, chunks, partition, precision, timeout=120)
+        params: dict[str, torch.Tensor] = {}
+        for r in ranks:
+            params.update(r["params"])
+        runs[(pp, schedule, chunks, partition)] = (ranks[0]["losses"], params)
+    (base_losses, base_params), *_ = runs.values()
+    assert len(set(map(tuple, (losses for losses, _ in runs.values())))) == 1, {k: v[0] for k, v in runs.items()}
+    assert base_losses[0] != base_losses[-1]
+    for split, (_, params) in runs.items():
+        assert params.keys() == base_params.keys(), split
+        different = [k for k in params if not torch.equal(params[k], base_params[k])]
+        assert not different, (split, different[:3])
