@@ -40,7 +40,9 @@ stage's inputs, keeps its data (freeing it would free someone else's).
 [Note: recompute]
 ``recompute="full"`` runs the stage's layers as one ``torch.utils.checkpoint`` region
 (non-reentrant, RNG state preserved), so a microbatch keeps only its stage input until its
-backward recomputes the rest; ``"every:K"`` makes one region of every K consecutive layers.
+backward recomputes the rest; ``"every:K"`` makes one region of every K consecutive layers. A
+recomputation leaves the region's buffers (BatchNorm's running statistics) as it found them: they
+moved once, in F, as without recompute.
 (Recompute is what torch calls activation checkpointing; in pipeengine a checkpoint is a saved
 training state.)
 """
@@ -48,6 +50,7 @@ training state.)
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -104,6 +107,30 @@ class LayerChain(nn.Module):
             raise LayerError(f"layer {self.first + i} ({type(self.layers[i]).__name__}) cannot take its input "
                              f"{describe_value(x)}: {(str(exc).splitlines() or [''])[0]}", self.first + i) from exc
         return x
+
+
+class _BuffersKept:
+    """While a region is recomputed, its persistent buffers (BatchNorm's running statistics) change nothing:
+    they are put back as they were when the recomputation began (it ran once already, in F)."""
+
+    def __init__(self, region: nn.Module) -> None:
+        buffers = {id(b) for b in region.buffers()}   # the persistent ones: state, not masks or caches
+        self.buffers = [t for t in region.state_dict(keep_vars=True).values() if id(t) in buffers]
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self.saved = [b.clone() for b in self.buffers]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for b, value in zip(self.buffers, self.saved):
+                b.copy_(value)
+        self.saved = []
+
+
+def _recompute_contexts(region: nn.Module) -> tuple[contextlib.AbstractContextManager[Any], _BuffersKept]:
+    """torch.utils.checkpoint's context_fn: nothing around the forward, the buffers kept around a recompute."""
+    return contextlib.nullcontext(), _BuffersKept(region)
 
 
 def cast_cache_scope(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -186,7 +213,8 @@ class Stage:
         if self.regions is None:
             return self.module(x)
         for region in self.regions:
-            x = _checkpoint(region, x, use_reentrant=False, preserve_rng_state=True)
+            x = _checkpoint(region, x, use_reentrant=False, preserve_rng_state=True,
+                            context_fn=functools.partial(_recompute_contexts, region))
         return x
 
     def _run_layers(self, x: Any) -> Any:

@@ -52,6 +52,8 @@ RECOMPUTE: list[Case] = [   # bitwise equal to none, with dropout, split B/W and
     case("dropout", "adam", sched, 2, 1, 4, recompute=rc, **(TWO if sched.startswith("inter") else {}))
     for sched in ("1f1b", "zb-h1", "interleaved-1f1b") for rc in ("none", "full", "every:1")]
 BN = case("bn", "sgd", "1f1b", 1, 2, 2)
+BN_RECOMPUTE = [case("bn", "sgd", sched, 2, 1, 4, recompute=rc) for sched in ("1f1b", "zb-h1")
+                for rc in ("none", "full", "every:1")]
 
 
 def results(c: Case, request: pytest.FixtureRequest) -> list[dict]:  # type: ignore[type-arg]
@@ -116,6 +118,20 @@ def test_tied_copies_on_one_rank_stay_two_and_equal(request: pytest.FixtureReque
 def test_batchnorm_statistics_are_replica_0s_on_every_replica(request: pytest.FixtureRequest) -> None:
     b0, b1 = (r["buffers"] for r in results(BN, request))
     assert b0 and all(torch.equal(b0[n], b1[n]) for n in b0)
+
+
+@pytest.mark.parametrize("sched", ["1f1b", "zb-h1"])
+def test_recompute_moves_batchnorm_statistics_once(sched: str, request: pytest.FixtureRequest) -> None:
+    """Running statistics and num_batches_tracked after the steps equal the run without recompute, with the
+    fused backward and with the split one (whose W recomputes once more)."""
+    runs = [results(c, request) for c in BN_RECOMPUTE if c.schedule == sched]
+    for rank_runs in zip(*runs):
+        base = rank_runs[0]["buffers"]
+        assert any(k.endswith("num_batches_tracked") and int(v) > 0 for k, v in base.items())
+        for other in rank_runs[1:]:
+            assert base.keys() == other["buffers"].keys()
+            assert all(torch.equal(other["buffers"][k], v) for k, v in base.items()), (
+                {k: (v, other["buffers"][k]) for k, v in base.items() if k.endswith("num_batches_tracked")})
 
 
 def test_replicas_hold_identical_parameters_and_positions_different_ones(request: pytest.FixtureRequest) -> None:
