@@ -31,11 +31,15 @@ class GradSync:
     values are those of an all-reduce at the end of the step, bit for bit: only the time changes.
     ``overlap=False`` posts every bucket in ``start()``.
 
-    The engine overlaps on CUDA only. On CPU with Gloo, where the ranks' compute already takes every
-    core, it gained nothing when measured (GPT small, pp=1 x dp=2 on 2 cores, 8 buckets all posted
-    inside backward): step times unchanged (6.0-6.7 s against 5.8-6.6 s), and the replica that
-    finished backward first then waited 0.27-0.50 s for the other instead of both waiting 0.03-0.10 s,
-    as if the early replica's posted all-reduce took CPU time the late one computes with.
+    The engine overlaps on CUDA only: on CPU with Gloo, where the ranks' compute already takes every
+    core, it gained nothing when measured (benchmarks/README.md, "Gradient all-reduce inside backward
+    on CPU").
+
+    [Note: a parameter without a gradient]
+    Each bucket ends in one flag per parameter, set by its post-accumulate-grad hook and summed by
+    the same all-reduce: a parameter that got no gradient on any replica (a conditionally used
+    expert, an unused head) gets ``grad = None`` after the sync, as ``zero_grad(set_to_none=True)``
+    leaves it without DP, so the optimizer skips it (no weight decay, no moment update) at every dp.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, size: int, watcher: Watch,
@@ -49,6 +53,8 @@ class GradSync:
         self.flats: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = []
         self._where: dict[int, int] = {}            # id(param) -> bucket
+        self._flag: dict[int, torch.Tensor] = {}    # id(param) -> its "got a gradient" flag in its bucket
+        self._flags: list[torch.Tensor] = []        # per bucket: the flags of its parameters
         self._armed: set[int] = set()
         self._left: list[int] = []                  # per bucket: parameters not final yet
         self._works: list[Any] = []                 # posted all-reduces, in bucket order
@@ -72,15 +78,17 @@ class GradSync:
             if bucket:
                 self.buckets.append(bucket)
         for k, bucket in enumerate(self.buckets):
-            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            numel = sum(p.numel() for p in bucket)
+            flat = torch.zeros(numel + len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             views, offset = [], 0
-            for p in bucket:
+            for j, p in enumerate(bucket):
                 views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
                 self._where[id(p)] = k
-                if overlap:
-                    p.register_post_accumulate_grad_hook(self._final)  # type: ignore[no-untyped-call]
+                self._flag[id(p)] = flat[numel + j:numel + j + 1]   # see [Note: a parameter without a gradient]
+                p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
             self.flats.append(flat)
+            self._flags.append(flat[numel:])
             self._views.append(views)
 
     def prepare(self) -> bool:
@@ -103,9 +111,12 @@ class GradSync:
         if self.overlap and self.size > 1:
             self._armed.update(id(p) for p in params)
 
+    def _accumulated(self, p: torch.Tensor) -> None:
+        self._flag[id(p)].fill_(1)
+        if self.overlap and id(p) in self._armed:
+            self._final(p)
+
     def _final(self, p: torch.Tensor) -> None:
-        if id(p) not in self._armed:
-            return
         self._armed.discard(id(p))
         self._left[self._where[id(p)]] -= 1
         while len(self._works) < len(self.buckets) and self._left[len(self._works)] == 0:
@@ -135,6 +146,10 @@ class GradSync:
             flat /= self.size
         self._works = []
         self._armed.clear()
+        untouched = (torch.cat(self._flags) == 0).tolist()   # one host read for every bucket
+        for p, none in zip((p for bucket in self.buckets for p in bucket), untouched):
+            if none:   # no replica gave it a gradient: as zero_grad leaves it without DP
+                p.grad = None
 
 
 def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, group: Any,
