@@ -18,18 +18,30 @@ Not covered this way, so W runs from the roots again (cost b + w): parameters wh
 reaches the outputs without crossing the input path, the first stage (its inputs need no
 gradient: B is empty and W is the whole backward), and recomputed stages (every separate
 backward pass recomputes a region, so one pass over the roots is cheaper than one per group).
+
+W makes one autograd call per group, all under one ``GraphExecGroup``, so a layer that recomputes
+itself recomputes once in W, not once per group.
+
+A graph holding a custom ``autograd.Function`` is split at all only if nothing proves it unsafe,
+and nothing can: its backward may change its incoming gradient in place (a gradient B kept for W
+would change under it: wrong dW) or compute dW in B and again in W. Such a microbatch runs its
+backward fused in B (:func:`custom_functions` finds them) and W does nothing: never wrong, and
+never slower than unsplit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["WeightGroup", "weight_groups", "run_backward", "backward_keeping", "backward_weights"]
+__all__ = ["WeightGroup", "weight_groups", "custom_functions", "run_backward", "backward_keeping",
+           "backward_weights"]
 
 Tensors = tuple[torch.Tensor, ...]
 Grads = tuple[torch.Tensor | None, ...]
@@ -88,6 +100,22 @@ def _downstream(starts: list[Node], consumers: dict[Node, list[Node]]) -> set[No
     return found
 
 
+def custom_functions(roots: Tensors) -> list[str]:
+    """The custom ``autograd.Function`` nodes in the graph behind ``roots`` (their class names)."""
+    found: list[str] = []
+    stack = [n for n in map(_grad_node, roots) if n is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.append(type(node).__name__)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return found
+
+
 def weight_groups(roots: Tensors, inputs: Tensors, params: Tensors) -> tuple[list[WeightGroup], list[torch.Tensor]]:
     """Group ``params`` by the branch nodes where their gradients leave the input path; also return the
     parameters with a gradient that never crosses the input path (W must run from the roots for them)."""
@@ -140,16 +168,28 @@ def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: li
 
 
 def backward_weights(groups: list[WeightGroup]) -> None:
-    """W of a split backward: every group's weight gradients from its kept branch gradients."""
-    for group in groups:
-        edges = [(GradientEdge(n, k), g) for i, n in enumerate(group.nodes)
-                 for k, g in enumerate(group.grads.get(i, ())) if g is not None]
-        if not edges:
-            continue
-        pins = [n.register_prehook(functools.partial(_pin, group.grads[i]))
-                for i, n in enumerate(group.nodes) if len(group.nodes) > 1 and i in group.grads]
-        try:
-            run_backward(tuple(e for e, _ in edges), tuple(g for _, g in edges), tuple(group.params), keep_graph=True)
-        finally:
-            for h in pins:
-                h.remove()
+    """W of a split backward: every group's weight gradients from its kept branch gradients.
+
+    One autograd call per group (one call for all would also run the input path between them
+    again), under one ``GraphExecGroup``: a layer that recomputes itself (``torch.utils.checkpoint``,
+    non-reentrant) recomputes once in W, not once per group.
+    """
+    with _exec_group():
+        for group in groups:
+            edges = [(GradientEdge(n, k), g) for i, n in enumerate(group.nodes)
+                     for k, g in enumerate(group.grads.get(i, ())) if g is not None]
+            if not edges:
+                continue
+            pins = [n.register_prehook(functools.partial(_pin, group.grads[i]))
+                    for i, n in enumerate(group.nodes) if len(group.nodes) > 1 and i in group.grads]
+            try:
+                run_backward(tuple(e for e, _ in edges), tuple(g for _, g in edges), tuple(group.params),
+                             keep_graph=True)
+            finally:
+                for h in pins:
+                    h.remove()
+
+
+def _exec_group() -> contextlib.AbstractContextManager[Any]:
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)   # torch >= 2.9
+    return group() if group is not None else contextlib.nullcontext()

@@ -58,7 +58,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .backward import WeightGroup, backward_keeping, backward_weights, run_backward, weight_groups
+from .backward import (WeightGroup, backward_keeping, backward_weights, custom_functions, run_backward,
+                       weight_groups)
 from .options import PRECISIONS, check_choice, parse_recompute
 from .tensors import describe_value, detach, device_of, floating, to_float
 
@@ -269,6 +270,10 @@ class Stage:
         root_grads = self._root_grads(mb, saved, grads)
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
         roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
+        was_split = split   # the schedule has a W for this microbatch either way
+        if split and saved.inputs and roots and custom_functions(roots):
+            split = False   # a custom autograd.Function: fused in B, W does nothing ([Note: split backward])
+            saved.roots, saved.rest = (), ()
         if split:   # See [Note: split backward] in backward.py
             saved.rest = self.params
             if saved.inputs and roots:
@@ -285,7 +290,7 @@ class Stage:
         result = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs)
         self._count_nonfinite(1, result)
         saved.inputs = ()
-        if not split:
+        if not split and not was_split:
             del self.saved[mb]
         return result
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -87,3 +88,116 @@ def test_split_backward_is_bitwise_the_fused_one_and_w_runs_only_weight_matmuls(
     # nothing computed twice: B + W do exactly the fused backward's matrix products, W only dW's
     weights = sum(1 for p in ch.params if p.dim() >= 2)
     assert b_mm + w_mm == fused_mm and w_mm == 2 * weights, (b_mm, w_mm, fused_mm, weights)
+
+
+# ------------------------------------------------------------------ what the split cannot prove safe
+
+class Reuse(torch.autograd.Function):
+    """y = 2x, whose backward doubles its incoming gradient in place and returns it (allowed in torch)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.mul_(2)
+
+
+class ReuseLayer(nn.Module):
+    """The gradient reaching ``a``'s matmul is the very tensor Reuse then doubles (AddBackward passes it on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(Reuse.apply(x) + self.a(x))
+
+
+class ScaleFn(torch.autograd.Function):
+    """y = x * w computing dX and dW in one backward, counting its calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        ScaleFn.calls += 1
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class ScaleLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((6,), 1.5))
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(ScaleFn.apply(x, self.w))
+
+
+class SelfRecompute(nn.Module):
+    """A layer that checkpoints itself (two weight groups inside); counts how often its inside runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.runs = 0
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.inner(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self._inner, x, use_reentrant=False)
+
+
+def _one_microbatch(layers: list[nn.Module], split: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    torch.manual_seed(0)
+    ch = _stage([m.double() for m in layers], 1)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    gy = torch.randn(4, 6, dtype=torch.float64)
+    ch.forward(0, x, None, True)
+    (gin,) = ch.backward(0, (gy,), split)
+    before_w = sum(getattr(m, "runs", 0) for m in layers)
+    if split:
+        ch.backward_weight(0)
+    return gin, [p.grad.clone() for p in ch.params], sum(getattr(m, "runs", 0) for m in layers) - before_w
+
+
+def test_a_custom_function_reusing_its_gradient_in_place_gives_the_fused_gradients() -> None:
+    """Split, the kept gradient of ``a`` changed under it: dW was wrong by up to 3.2 here."""
+    torch.manual_seed(3)
+    model = [ReuseLayer(), ReuseLayer()]
+    fused_in, fused_w, _ = _one_microbatch(copy.deepcopy(model), split=False)
+    split_in, split_w, _ = _one_microbatch(copy.deepcopy(model), split=True)
+    assert torch.equal(fused_in, split_in)
+    assert all(torch.equal(a, b) for a, b in zip(fused_w, split_w))
+
+
+def test_a_custom_function_computing_dw_runs_its_backward_once() -> None:
+    torch.manual_seed(3)
+    model = [ScaleLayer()]
+    ScaleFn.calls = 0
+    fused = _one_microbatch(copy.deepcopy(model), split=False)
+    assert ScaleFn.calls == 1
+    ScaleFn.calls = 0
+    split = _one_microbatch(copy.deepcopy(model), split=True)
+    assert ScaleFn.calls == 1   # B and W once had it compute dX and dW twice
+    assert all(torch.equal(a, b) for a, b in zip(fused[1], split[1]))
+
+
+def test_w_is_one_autograd_call_so_a_self_recomputing_layer_recomputes_once() -> None:
+    torch.manual_seed(3)
+    model = [SelfRecompute(), SelfRecompute()]
+    fused = _one_microbatch(copy.deepcopy(model), split=False)
+    split = _one_microbatch(copy.deepcopy(model), split=True)
+    assert split[2] == 2, split[2]   # W: each layer recomputed once (was once per weight group: 4)
+    assert torch.equal(fused[0], split[0]) and all(torch.equal(a, b) for a, b in zip(fused[1], split[1]))
