@@ -107,8 +107,8 @@ def custom_functions(roots: Tensors) -> list[str]:
     seen = set(stack)
     while stack:
         node = stack.pop()
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            found.append(type(node).__name__)
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and type(node).__name__ != "_ArrivalBackward":
+            found.append(type(node).__name__)   # (the stage's own _Arrival node only hands gradients over)
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)

@@ -2,9 +2,11 @@
 
 [Note: stage boundary detach]
 A stage's input arrives as fresh tensors (from a receive, or detached from the previous stage
-on the same rank) and its floating-point tensors become leaves with ``requires_grad=True``.
-Backward of the stage therefore stops at its own inputs and ``input.grad`` is exactly what the
-previous stage needs. The graph never spans two stages.
+on the same rank). In training its floating-point tensors become the outputs of one autograd node
+(``_Arrival``) hanging from a tiny leaf of the stage's: no copy, and, unlike leaves that require
+grad, tensors that an in-place first op may change, as it may unpipelined. Backward of the stage
+therefore stops at that node, whose backward hands over exactly the gradients the previous stage
+needs. The graph never spans two stages.
 
 [Note: stage boundary dtype]
 Under bf16/fp16 autocast a stage's output goes on the wire in the dtype its last layer produced:
@@ -61,7 +63,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from .backward import (WeightGroup, backward_keeping, backward_weights, custom_functions, run_backward,
                        weight_groups)
 from .options import PRECISIONS, check_choice, parse_recompute
-from .tensors import describe_value, detach, device_of, floating, to_float
+from .tensors import describe_value, detach, device_of, floating, to_float, tree_map
 
 __all__ = ["LayerChain", "LayerError", "Stage", "DTYPES", "cast_cache_scope"]
 
@@ -162,13 +164,48 @@ The values are those of a cast per microbatch, bit for bit.
         t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
 
 
+class _Arrival(torch.autograd.Function):
+    """The stage's received inputs as the outputs of one node (see [Note: stage boundary detach])."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, arrived: "_Arrived", *tensors: torch.Tensor) -> Tensors:
+        ctx.arrived = arrived   # holds no tensor: outputs -> node -> ctx -> outputs would be a cycle never freed
+        return tuple(t.detach() for t in tensors)   # the received storage itself, not an input: in-place allowed
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
+        ctx.arrived.grads = grads
+        return (None,) * (2 + len(grads))
+
+
+class _Arrived:
+    """A microbatch's floating-point inputs at a non-first stage: their metadata, and their gradients once B ran."""
+
+    def __init__(self, tensors: Tensors) -> None:
+        self.count = len(tensors)
+        self.like = [(t.shape, t.dtype, t.device) for t in tensors]
+        self.grads: tuple[torch.Tensor | None, ...] = ()
+
+    def through(self, x: Any, anchor: torch.Tensor) -> tuple[Any, Tensors]:
+        """``x`` with its floating tensors as outputs of an :class:`_Arrival` node, and those outputs."""
+        outs = _Arrival.apply(anchor, self, *floating(x))
+        it = iter(outs)
+        return tree_map(x, lambda t: next(it) if t.is_floating_point() else t), tuple(outs)
+
+    def gradients(self) -> Tensors:
+        grads = self.grads or (None,) * self.count
+        return tuple(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                     for g, (shape, dtype, device) in zip(grads, self.like))
+
+
 @dataclass
 class _Saved:
-    inputs: Tensors                  # leaves that need gradients (floating inputs of a non-first stage)
+    inputs: Tensors                  # the stage's floating inputs, as _Arrival outputs (non-first stage)
     roots: Tensors                   # where backward starts (the scaled loss on the last stage)
     grads: Tensors = field(default=())   # gradients of the roots (kept for W when it runs from the roots)
     groups: list[WeightGroup] = field(default_factory=list)   # split backward: what W runs from
     rest: Tensors = ()               # split backward: parameters W reaches from the roots
+    arrived: _Arrived | None = None  # the received inputs and, after B, their gradients
 
 
 class Stage:
@@ -196,6 +233,7 @@ class Stage:
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        self._anchor = torch.empty(0, requires_grad=True)   # what the stage's inputs hang from (_Arrival)
         self.nonfinite = torch.zeros(2)         # this step: (non-finite outputs or loss, non-finite input grads)
 
     def reset(self) -> None:
@@ -229,10 +267,11 @@ class Stage:
     def forward(self, mb: int, x: Any, target: Any, train: bool, keep_output: bool = False) -> Any:
         """Run F on one argument ``x``; return what to pass on (None on the last stage, which keeps its loss)."""
         inputs: Tensors = ()
-        if not self.is_first:   # See [Note: stage boundary detach]
-            inputs = tuple(floating(x))
-            for t in inputs:
-                t.requires_grad_(train)
+        arrived: _Arrived | None = None
+        if not self.is_first and train:   # See [Note: stage boundary detach]
+            arrived = _Arrived(tuple(floating(x)))
+            if arrived.count:
+                x, inputs = arrived.through(x, self._anchor)
         with torch.set_grad_enabled(train):
             with self._autocast(device_of(x, self.params)):
                 out = self._run_layers(x)
@@ -243,7 +282,7 @@ class Stage:
         if not train:
             return None if self.is_last else out
         self._count_nonfinite(0, roots)
-        self.saved[mb] = _Saved(inputs, roots)
+        self.saved[mb] = _Saved(inputs, roots, arrived=arrived)
         self.peak_stored = max(self.peak_stored, len(self.saved))
         if self.is_last:
             return None
@@ -271,6 +310,7 @@ class Stage:
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
         roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
         was_split = split   # the schedule has a W for this microbatch either way
+        anchor = (self._anchor,) if saved.inputs else ()   # autograd reaches the stage's inputs through it
         if split and saved.inputs and roots and custom_functions(roots):
             split = False   # a custom autograd.Function: fused in B, W does nothing ([Note: split backward])
             saved.roots, saved.rest = (), ()
@@ -278,18 +318,18 @@ class Stage:
             saved.rest = self.params
             if saved.inputs and roots:
                 if self.regions is None:
-                    saved.groups, rest = weight_groups(roots, saved.inputs, self.params)
+                    saved.groups, rest = weight_groups(roots, anchor, self.params)
                     saved.rest = tuple(rest)
-                backward_keeping(roots, rgrads, saved.inputs, saved.groups)
+                backward_keeping(roots, rgrads, anchor, saved.groups)
             if saved.rest:
                 saved.grads = root_grads
             else:
                 saved.roots = ()   # W starts from the branch nodes: what only the roots held can go
         elif roots:
             run_backward(roots, rgrads, (), keep_graph=False)
-        result = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs)
+        result = saved.arrived.gradients() if saved.arrived is not None else ()
         self._count_nonfinite(1, result)
-        saved.inputs = ()
+        saved.inputs, saved.arrived = (), None
         if not split and not was_split:
             del self.saved[mb]
         return result

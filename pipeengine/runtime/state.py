@@ -21,9 +21,18 @@ import torch
 if TYPE_CHECKING:
     from .engine import PipelineEngine
 
-__all__ = ["EngineState", "TensorInfo"]
+__all__ = ["EngineState", "TensorInfo", "state_device"]
 
 TensorInfo = tuple[tuple[int, ...], torch.dtype]   # what a saved tensor is: (shape, dtype)
+
+
+def state_device(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) -> torch.device:
+    """Where ``optimizer`` keeps state ``name`` of parameter ``p``: with the parameter, except Adam's ``step``
+    counter, which lives on the CPU unless the group is fused or capturable (then on the device)."""
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+    if name == "step" and not (group.get("fused") or group.get("capturable")):
+        return torch.device("cpu")
+    return p.device
 
 
 class EngineState:
@@ -89,7 +98,7 @@ class EngineState:
             for name, key in found.items():
                 info = saved[key]
                 sd[key] = None if info is None else torch.empty(
-                    info[0], dtype=info[1], device="cpu" if name == "step" else p.device)
+                    info[0], dtype=info[1], device=state_device(e.optimizer, p, name))
         sd["train.step"] = torch.tensor(0)
         sd["train.loss_scale"] = torch.tensor(1.0, dtype=torch.float64)
         if "train.good_steps" in saved:

@@ -95,10 +95,14 @@ def _publish(engine: PipelineEngine, tmp: str, final: str, info: dict[str, Any],
         try:
             with open(os.path.join(tmp, MANIFEST), "w") as fh:
                 json.dump(info, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())   # on disk before the rename makes the folder count as complete
+            _fsync_dir(tmp)
             old = os.path.join(os.path.dirname(final), OLD + os.path.basename(final)[len(PREFIX):])
             if os.path.exists(final):   # the same step saved again: the old one stays complete (and found by
                 os.replace(final, old)  # complete_checkpoints) until the new one has its name
             os.replace(tmp, final)
+            _fsync_dir(os.path.dirname(final))   # the rename itself survives a power loss
             shutil.rmtree(old, ignore_errors=True)
             if keep is not None:
                 for gone in complete_checkpoints(os.path.dirname(final))[:-keep] if keep > 0 else []:
@@ -106,6 +110,22 @@ def _publish(engine: PipelineEngine, tmp: str, final: str, info: dict[str, Any],
         except OSError as exc:
             error = _failed(tmp, exc)
     raise_if_any(error, CheckpointError)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _complete(path: str) -> bool:
+    """A checkpoint folder counts as complete once its manifest holds something (it is written last)."""
+    try:
+        return os.path.getsize(os.path.join(path, MANIFEST)) > 0
+    except OSError:
+        return False
 
 
 def _state(engine: PipelineEngine, step: int) -> dict[str, Any]:
@@ -192,8 +212,7 @@ def complete_checkpoints(directory: str) -> list[str]:
     for n in names:
         if n.startswith(OLD):
             found.setdefault(n[len(OLD):], n)
-    return [os.path.join(directory, found[k]) for k in sorted(found)
-            if os.path.exists(os.path.join(directory, found[k], MANIFEST))]
+    return [os.path.join(directory, found[k]) for k in sorted(found) if _complete(os.path.join(directory, found[k]))]
 
 
 def latest(directory: str) -> tuple[str | None, list[str]]:
@@ -211,8 +230,9 @@ def resolve(path: str) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} is a file; give a checkpoint folder (step-…) or a save directory")
     if os.path.exists(os.path.join(path, ".metadata")):
-        if not os.path.exists(os.path.join(path, MANIFEST)):
-            raise CheckpointError(f"checkpoint {path!r} is incomplete (no {MANIFEST}: the save did not finish)")
+        if not _complete(path):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete (no {MANIFEST}, or an empty one: the save did "
+                                  f"not finish)")
         return path
     found, partial = latest(path)
     if found is None:

@@ -52,6 +52,20 @@ def bn_layers(seed: int = 0) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM), nn.Tanh()) for _ in range(3)] + [nn.Linear(DIM, 1)]
 
 
+class InplaceTanh(nn.Module):
+    """An in-place first op: at a stage boundary its input is the received tensor, modified in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.tanh_()
+
+
+def inplace_layers(seed: int = 0) -> list[nn.Module]:
+    """[Linear, InplaceTanh] x 4, Linear(DIM, 1): split in two, the second stage begins in place."""
+    torch.manual_seed(seed)
+    return [m for _ in range(4) for m in (nn.Linear(DIM, DIM), InplaceTanh())] + [nn.Linear(DIM, DIM),
+                                                                                  nn.Linear(DIM, 1)]
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, DIM, generator=g, dtype=torch.float64)
@@ -112,6 +126,7 @@ MODELS: dict[str, tuple[Callable[[], list[Any]], Callable[[int], Any], list[Any]
     "tied": (mlp_layers, batch, TIE, lambda: _share(mlp_layers())),
     "dropout": (dropout_layers, batch, [], dropout_layers),
     "bn": (bn_layers, batch, [], bn_layers),
+    "inplace": (inplace_layers, batch, [], inplace_layers),
 }
 
 

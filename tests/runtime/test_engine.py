@@ -33,6 +33,8 @@ WORLD2: list[Case] = [
       for sched in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")],
     # DP all-reduce inside backward (default) == after it, bitwise; many small buckets
     *[case("tied", "adam", "1f1b", 1, 2, 4, overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)],
+    # the second stage's first op is in place (on the received input), as it may be unpipelined
+    *[case("inplace", "adam", sched, 2, 1, 4, partition=(0, 5, 10)) for sched in ("1f1b", "zb-h1")],
 ]
 WORLD4: list[Case] = [
     *[case("mlp", opt, sched, pp, dp, m) for (pp, dp, m) in ((4, 1, 8), (2, 2, 4))

@@ -18,16 +18,18 @@ BUILT: list[tuple[int, str]] = []   # (layer index, device type) of every factor
 
 
 class Scale(nn.Module):
-    """y = x * w: keeps its input for w's gradient, nothing else; its output is a fresh activation."""
+    """y = x * w (relu(x * w) with ``relu``): keeps its input for w's gradient (and ReLU its own output,
+    which is what the stage sends: that storage cannot be freed after F); its output is a fresh activation."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, relu: bool = False) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(()) * (1 + 0.01 * index))
+        self.relu = relu
         BUILT.append((index, self.w.device.type))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         TRACKED.append(weakref.ref(x))
-        y = x * self.w
+        y = torch.relu(x * self.w) if self.relu else x * self.w
         TRACKED.append(weakref.ref(y))
         return y
 
@@ -51,9 +53,11 @@ def memory_worker(rank: int, world: int) -> list[Any]:
     out = []
     for sched, m, wire in (("1f1b", 4, "strict"), ("1f1b", 12, "strict"), ("zb-h1", 4, "strict"),
                            ("zb-h1", 12, "strict"), ("gpipe", 6, "strict"), ("1f1b", 4, "tags"), ("1f1b", 12, "tags"),
-                           ("zb-h1", 12, "tags")):
+                           ("zb-h1", 12, "tags"), ("1f1b", 4, "relu"), ("1f1b", 12, "relu")):
         BUILT.clear()
-        engine = PipelineEngine([functools.partial(Scale, i) for i in range(world)], lambda y, _: y.mean(),
+        relu = wire == "relu"
+        wire = "strict" if relu else wire
+        engine = PipelineEngine([functools.partial(Scale, i, relu) for i in range(world)], lambda y, _: y.mean(),
                                 lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(world, 1), schedule=sched,
                                 microbatches=m, wire=wire, partition="uniform")
         execute, peak = engine._execute, [0.0]
@@ -70,8 +74,8 @@ def memory_worker(rank: int, world: int) -> list[Any]:
         bound = simulate(engine.schedule, Costs()).peak_in_flight[engine.position]
         real = sorted({i for i, dev in BUILT if dev != "meta"})
         mine = [i for st in engine.stages for i in range(engine.bounds[st.index], engine.bounds[st.index + 1])]
-        out.append((sched if wire == "strict" else f"{sched}/tags", m, peak[0], bound, real == mine,
-                    len(engine.parameters)))
+        name = f"{sched}/relu" if relu else sched if wire == "strict" else f"{sched}/tags"
+        out.append((name, m, peak[0], bound, real == mine, len(engine.parameters)))
         del engine
     return out
 
@@ -93,6 +97,8 @@ def test_boundary_memory_is_bounded_by_the_schedule_not_by_m_and_ranks_build_onl
         assert by[("1f1b", 12)][0] == by[("1f1b", 4)][0], (position, by)
         assert by[("1f1b/tags", 12)][0] == by[("1f1b/tags", 4)][0], (position, by)
         assert by[("zb-h1", 12)][0] == by[("zb-h1", 4)][0], (position, by)
+        # a stage ending in ReLU (every ResNet stage): its sent output is the storage ReLU saved, counted once
+        assert by[("1f1b/relu", 12)][0] == by[("1f1b/relu", 4)][0] == by[("1f1b", 4)][0], (position, by)
         # the counting sees growth when the schedule holds more (GPipe keeps every received microbatch)
         if position > 0:
             assert by[("gpipe", 6)][0] >= 6, (position, by)

@@ -185,6 +185,13 @@ def test_cli_usage_and_which_folders_count_as_checkpoints(tmp_path: Path) -> Non
             (tmp_path / name / "manifest.json").write_text("{}")
     assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path))] == \
         ["step-00000002", ".old-step-00000004", "step-00000006"]
+    # an empty manifest (a crash between creating it and writing it) does not make a checkpoint complete
+    (tmp_path / "step-00000012").mkdir()
+    (tmp_path / "step-00000012" / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-00000012" / "manifest.json").write_text("")
+    assert os.path.basename(complete_checkpoints(str(tmp_path))[-1]) == "step-00000006"
+    with pytest.raises(CheckpointError, match="is incomplete"):
+        resolve(str(tmp_path / "step-00000012"))
 
 
 # ------------------------------------------------------------------ restart after a rank dies (real processes)
