@@ -167,17 +167,28 @@ class AsyncSaver:
     ``save`` copies this rank's state to host memory (the training step waits for that copy, and
     for the previous save if it is still writing) and returns; a thread writes the shards over a
     Gloo group of its own, so its collectives never interleave with the engine's (``timeout``:
-    seconds they may wait). The checkpoint becomes visible (manifest, rename) at the next ``save``
-    or at ``finish()``, which every rank calls at the same point: until then it is a ``.tmp-``
-    folder, ignored by ``latest``. Create it on every rank at the same point (it makes a group).
+    seconds they may wait). The checkpoint becomes visible (manifest, rename) as soon as every rank's
+    write completed: ``poll()``, which the trainer calls at every step boundary, asks (one small
+    all-reduce on a Gloo group of its own, only while a save is in flight); ``finish()`` (at the next
+    save or the end) waits for it. Until then it is a ``.tmp-`` folder, ignored by ``latest``. Every
+    rank calls these at the same points; create it on every rank at the same point (it makes groups).
     """
 
     def __init__(self, timeout: float = 600.0) -> None:
         from datetime import timedelta
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-        assert isinstance(group, dist.ProcessGroup)   # every rank is a member
-        self.group = group
+        limit = timedelta(seconds=timeout)
+        group, asking = dist.new_group(backend="gloo", timeout=limit), dist.new_group(backend="gloo", timeout=limit)
+        assert isinstance(group, dist.ProcessGroup) and isinstance(asking, dist.ProcessGroup)   # every rank's
+        self.group, self._asking = group, asking
         self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None] | None = None
+
+    def poll(self) -> str | None:
+        """Make the save in flight visible if every rank's write has completed; its folder, else None."""
+        if self._pending is None:
+            return None
+        done = torch.tensor([int(self._pending[0].done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._asking)
+        return self.finish() if int(done) else None
 
     def save(self, engine: PipelineEngine, directory: str, step: int | None = None, *, keep: int | None = None,
              extra: dict[str, Any] | None = None) -> str:

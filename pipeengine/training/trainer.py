@@ -231,8 +231,12 @@ class Trainer:
             how = "the step waited" if self.saver else "saved"
             print(f"{chr(10) if newline else ''}{saved}: {how} {time.perf_counter() - t_save:.2f} s")
 
-    def _publish_background(self, newline: bool = False) -> None:
-        if self.saver is not None and (published := self.saver.finish()) and self.rank == 0:
+    def _publish_background(self, newline: bool = False, wait: bool = True) -> None:
+        """Make a finished background save visible (``wait``: wait for the one in flight first)."""
+        if self.saver is None:
+            return
+        published = self.saver.finish() if wait else self.saver.poll()
+        if published and self.rank == 0:
             print(f"{chr(10) if newline else ''}saved {published} (in the background)")
 
     # ------------------------------------------------------------------ summary
@@ -326,6 +330,8 @@ class Trainer:
                 self.writer.log_eval(step, state.val_loss)
             if cfg.saving.interval and ((step + 1) % cfg.saving.interval == 0 or step + 1 == steps):
                 self.save(step + 1, self.is_tty)
+            elif self.saver is not None:   # a background save is published as soon as every rank wrote it
+                self._publish_background(self.is_tty, wait=False)
             if self.rank == 0 and not cfg.logging.quiet and (
                     self.is_tty or (step + 1) % cfg.logging.log_interval == 0 or step + 1 == steps):
                 elapsed = time.perf_counter() - t_start

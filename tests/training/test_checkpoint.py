@@ -108,6 +108,24 @@ main(sys.argv[1:])
 """
 cli = python_cli
 
+# killed after step 3, once the background save of step 2 is on disk: before the save of step 4
+KILLED_AFTER_A_BACKGROUND_SAVE = r"""
+import os, sys, time
+from pipeengine.training import trainer
+from pipeengine.training.cli import main
+step = trainer.Trainer.train_step
+def train_step(self, n):
+    result = step(self, n)
+    if n == 3:
+        while os.path.isdir(os.path.join(self.cfg.saving.dir, ".tmp-step-00000002")):
+            time.sleep(0.05)   # the loop publishes it at a step boundary: wait for the write, then end
+            self._publish_background(wait=False)
+        os._exit(9)
+    return result
+trainer.Trainer.train_step = train_step
+main(sys.argv[1:])
+"""
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
@@ -169,6 +187,22 @@ def test_bad_checkpoints_give_one_line_errors_and_overwrite_nothing(
     manifest.write_text(manifest.read_text()[:40])   # truncated
     code, _, err = tool("inspect", other)
     assert code == 2 and "cannot read its manifest.json" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_background_save_is_published_when_written_not_at_the_next_save(tmp_path: Path) -> None:
+    """Killed between the write of step 2 (--async-save) and the save of step 4: the restart resumes at 2."""
+    d = str(tmp_path / "ck")
+    flags = ["--model", "mlp", "--steps", "6", "--save-interval", "2", "--async-save", "--save-dir", d,
+             "--log-dir", str(tmp_path), "--partition", "uniform"]
+    killed = cli(*flags, code=KILLED_AFTER_A_BACKGROUND_SAVE)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    found, partial = latest(d)
+    assert found is not None and found.endswith("step-00000002") and not partial, (found, os.listdir(d))
+    resumed = cli("pipeengine.train", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout, resumed.stdout[-2000:]
 
 
 def test_cli_usage_and_which_folders_count_as_checkpoints(tmp_path: Path) -> None:
