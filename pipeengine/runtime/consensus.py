@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .faults import Watch
 from .numerics import SignalVector, StepSignals
 from .plan import Plan
 from .stage import Stage
@@ -34,8 +35,9 @@ class Consensus:
     """This rank's part in the end-of-step collectives (see the module note)."""
 
     def __init__(self, topology: Topology, rank: int, groups: ProcessGroups, num_stages: int, device: torch.device,
-                 wait: Wait) -> None:
+                 wait: Wait, watcher: Watch) -> None:
         self.topology, self.groups, self.num_stages, self.device, self.wait = topology, groups, num_stages, device, wait
+        self.watch = watcher   # reads what the device computed (polled on CUDA, see faults.Watch.host_values)
         position, replica = topology.position_of(rank), topology.replica_of(rank)
         self.last_rank = topology.rank(topology.pp - 1, replica)
         self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
@@ -57,7 +59,7 @@ class Consensus:
         if self.topology.pp > 1:
             self.wait(dist.all_reduce(vec.tensor, group=self.groups.pp_group, async_op=True),
                       "the end-of-step all-reduce", self.pp_peers)
-        return vec.decode()
+        return vec.decode(lambda t: self.watch.host_values(t, "the end-of-step all-reduce", self.pp_peers))
 
     def mean_over_replicas(self, replica_loss: float) -> float:
         if self.topology.dp == 1:
@@ -65,17 +67,17 @@ class Consensus:
         value = torch.tensor(replica_loss, dtype=torch.float64, device=self.device)
         self.wait(dist.all_reduce(value, group=self.groups.dp_group, async_op=True), "the loss all-reduce",
                   self.dp_peers)
-        return float(value) / self.topology.dp
+        return float(self.watch.host_values(value, "the loss all-reduce", self.dp_peers)) / self.topology.dp
 
     def eval_loss(self, last: Stage) -> float:
         """Mean loss of an eval step on every rank: summed on the last stage, shared, averaged over DP."""
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if last.is_last:
-            value += sum(float(x) for x in last.losses)
+            value += torch.stack(last.losses).double().sum()
         if self.topology.pp > 1:
             self.wait(dist.broadcast(value, src=self.last_rank, group=self.groups.pp_group, async_op=True),
                       "the loss broadcast", self.pp_peers)
-        return self.mean_over_replicas(float(value))
+        return self.mean_over_replicas(float(self.watch.host_values(value, "the loss broadcast", self.pp_peers)))
 
 
 def _squares(params: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:

@@ -9,8 +9,9 @@ __all__ = ["default_device", "synchronize"]
 
 
 def default_device() -> torch.device:
-    """cuda:<current device> when the process group runs NCCL, else CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+    """cuda:<current device> when the process group runs NCCL (alone, or among several backends as
+    ``cpu:gloo,cuda:nccl``), else CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -133,7 +133,7 @@ class PipelineEngine:
         self._setup_sync(bucket_mb, overlap_grad_sync)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
-        self.clock = ActionClock(self.rank, self.device)
+        self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
@@ -173,7 +173,8 @@ class PipelineEngine:
         self.groups = self.local.groups
 
     def _setup_sync(self, bucket_mb: float, overlap: bool | None) -> None:
-        self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages, self.device, self._wait)
+        self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages, self.device, self._wait,
+                                   self.watch)
         self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, self.watch,
                                   self.consensus.dp_peers, bucket_mb,
                                   self.device.type == "cuda" if overlap is None else overlap)

@@ -31,15 +31,15 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from .hangs import describe_line, doing_text, dump_flight_recorder, ranks_text, wait_for_report
 from .numerics import NonFiniteError
 from .options import STARTUP_TIMEOUT
 
-__all__ = ["EXPLAINED", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout", "wait_for_report",
-           "doing_text"]
+__all__ = ["EXPLAINED", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout"]
 
 EXPLAINED = 3            # exit status of a rank that stopped because of an explained fault elsewhere
 PREFIX = "pipeengine/faults/"
@@ -80,6 +80,7 @@ class Watch:
         self._store_errors = 0
         self._ppid: int | None = None
         self._group = dist.group.WORLD
+        self.event_factory: Callable[[], Any] = _cuda_event   # what host_values records (a test's fake here)
         try:   # where this rank runs: a silent rank in a report can then be inspected (py-spy, gdb)
             store.set(f"{PREFIX}where/{rank}", f"pid {os.getpid()} on {socket.gethostname()}")
         except Exception:
@@ -98,8 +99,8 @@ class Watch:
         """Wait for ``work`` (a c10d Work) within ``timeout``; on a timeout, assemble the wait-for report.
 
         ``what`` is formatted only if it is reported (waits are on the hot path); a timeout raises
-        ``error``. On CUDA the stream waits, not the host, and NCCL's own watchdog enforces the
-        group's timeout.
+        ``error``. On CUDA (NCCL) the compute stream waits, not the host: the host blocks only where it
+        reads what the device computed, and :meth:`host_values` / :meth:`poll` watch those waits.
         """
         if self.peer_failure:
             raise PeerFailed(self.peer_failure)
@@ -120,10 +121,42 @@ class Watch:
         if "timed out" not in why.lower() and waited < self.timeout:   # a closed connection: a peer is gone
             failure = self._failure_text(wait=2.0)
             raise PeerFailed(failure or f"rank {self.rank} ({self.context}): {doing_text(what)} with rank(s) "
-                                        f"{_ranks(peers)} broke after {waited:.1f} s, and no rank reported a failure "
-                                        f"(killed or crashed without a trace: see its log): {why}")
+                                        f"{ranks_text(peers)} broke after {waited:.1f} s, and no rank reported a "
+                                        f"failure (killed or crashed without a trace: see its log): {why}")
         line = self._line("waits", what, peers, waited)
-        raise error(f"{_describe(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
+        raise error(f"{describe_line(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
+
+    def poll(self, done: Callable[[], bool], what: Any, peers: Sequence[int],
+             error: type[WaitTimeout] = WaitTimeout) -> None:
+        """Wait until ``done()`` (a CUDA event's or an NCCL work's completion query) without blocking the
+        host: a peer's failure raises :class:`PeerFailed` within milliseconds, and ``timeout`` seconds
+        without completion raise ``error`` with the wait-for report, as a Gloo wait does."""
+        if done():
+            return
+        since = time.monotonic()
+        self._waiting = {"what": what, "peers": list(peers), "since": since}
+        try:
+            pause = 1e-4
+            while not done():
+                if self.peer_failure:
+                    raise PeerFailed(self.peer_failure)
+                waited = time.monotonic() - since
+                if waited > self.timeout:
+                    line = self._line("waits", what, peers, waited)
+                    raise error(f"{describe_line(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+        finally:
+            self._waiting = None
+
+    def host_values(self, t: Any, what: Any, peers: Sequence[int], error: type[WaitTimeout] = WaitTimeout) -> Any:
+        """``t.tolist()``: on CUDA only once the device got there (polled, see :meth:`poll`), so a hang in the
+        work queued before it is reported instead of blocking the host for good."""
+        if t.device.type == "cuda":
+            event = self.event_factory()
+            event.record()
+            self.poll(event.query, what, peers, error)
+        return t.tolist()
 
     def report(self, exc: BaseException) -> None:
         """Publish an exception leaving the engine on this rank, unless every rank raises it alike. A
@@ -169,7 +202,7 @@ class Watch:
             lines = self._collect(grace=min(5.0, max(1.5, self.timeout / 2)))
             where = {r: self.store.get(f"{PREFIX}where/{r}").decode() for r in range(self.world)
                      if r not in lines and self.store.check([f"{PREFIX}where/{r}"])}
-            report = wait_for_report(lines, self.world, self.timeout, where)
+            report = wait_for_report(lines, self.world, self.timeout, where, dump_flight_recorder(self.rank))
             if self.store.compare_set(PREFIX + "report", "", report) == report.encode():
                 self.store.add(PREFIX + "events", 1)
             else:
@@ -255,6 +288,7 @@ class Watch:
                 line = self._line("runs", self.doing or "outside the engine")
             self._publish(line)
             self._published = True
+            dump_flight_recorder(self.rank)   # NCCL: what this rank's communicators last did
         failed = self.store.check([PREFIX + "failed"])
         if failed and json.loads(self.store.get(PREFIX + "failed"))["rank"] == self.rank:
             return   # this rank's own failure: its exception is on its way
@@ -273,59 +307,9 @@ class Watch:
         os._exit(self.exit_status)
 
 
-def doing_text(what: Any) -> str:
-    """A program step (a tuple of actions) as ``F3`` or ``sendF3>1 recvB2<1``; anything else as str()."""
-    return " ".join(map(str, what)) if isinstance(what, tuple) else str(what)
-
-
-def _ranks(peers: Sequence[int]) -> str:
-    return ", ".join(map(str, peers))
-
-
-def _describe(line: dict[str, Any]) -> str:
-    head = f"rank {line['rank']}" + (f" ({line['context']})" if line["context"] else "")
-    if line["state"] == "waits":
-        return f"{head}: waits {line['secs']:.1f} s in {line['what']} for rank(s) {_ranks(line['peers'])}"
-    return f"{head}: runs {line['what']}"
-
-
-def wait_for_report(lines: dict[int, dict[str, Any]], world: int, timeout: float,
-                    where: dict[int, str] | None = None) -> str:
-    """Who waits on whom: every rank's line, the ranks that said nothing (``where`` they run, if known), and a
-    cycle of waits if there is one."""
-    out = [f"pipeengine: wait-for report (a wait exceeded {timeout:g} s; {len(lines)} of {world} ranks answered)"]
-    out += ["  " + _describe(lines[r]) for r in sorted(lines)]
-    silent = [r for r in range(world) if r not in lines]
-    out += [f"  rank {r}" + (f" ({where[r]})" if where and r in where else "")
-            + ": said nothing: stopped, dead or stuck outside the engine" for r in silent]
-    edges = {r: [p for p in ln["peers"]] for r, ln in lines.items() if ln["state"] == "waits"}
-    cycle = _cycle(edges)
-    if cycle:
-        out.append("  cycle: " + " -> ".join(f"rank {r}" for r in cycle + cycle[:1])
-                   + " (each waits on the next: the ranks run programs that do not match)")
-    culprits = silent or sorted(r for ln in lines.values() if ln["state"] == "waits"
-                                for r in ln["peers"] if r in lines and lines[r]["state"] == "runs")
-    if culprits:
-        out.append(f"  likely culprit: rank {_ranks(sorted(set(culprits)))}"
-                   + (" (said nothing)" if silent else " (busy while others wait on it)"))
-    return "\n".join(out)
-
-
-def _cycle(edges: dict[int, list[int]]) -> list[int]:
-    """One cycle in the wait-for graph (ranks in order), or [] if there is none."""
-    for start in sorted(edges):
-        path, seen = [start], {start}
-        node = start
-        while True:
-            nxt = next((p for p in edges.get(node, []) if p in edges), None)
-            if nxt is None:
-                break
-            if nxt in seen:
-                return path[path.index(nxt):]
-            path.append(nxt)
-            seen.add(nxt)
-            node = nxt
-    return []
+def _cuda_event() -> Any:
+    import torch
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
 
 _WATCHES: dict[int, Watch] = {}

@@ -146,7 +146,8 @@ class GradSync:
             flat /= self.size
         self._works = []
         self._armed.clear()
-        untouched = (torch.cat(self._flags) == 0).tolist()   # one host read for every bucket
+        untouched = self.watch.host_values(torch.cat(self._flags) == 0, "the data-parallel gradient all-reduce",
+                                           self.peers)   # one host read for every bucket
         for p, none in zip((p for bucket in self.buckets for p in bucket), untouched):
             if none:   # no replica gave it a gradient: as zero_grad leaves it without DP
                 p.grad = None

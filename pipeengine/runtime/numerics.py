@@ -56,8 +56,9 @@ class SignalVector:
         self.tensor[1 + 2 * stage:3 + 2 * stage] += outputs_and_grads
         self.tensor[2 + 2 * stage] += grads_nonfinite
 
-    def decode(self) -> StepSignals:
-        values = self.tensor.tolist()
+    def decode(self, read: Callable[[torch.Tensor], list[float]] = torch.Tensor.tolist) -> StepSignals:
+        """The signals, read from the all-reduced tensor with ``read`` (a watched host read on CUDA)."""
+        values = read(self.tensor)
         flags = values[1:1 + 2 * self.num_stages]
         grad_sq = 0.0
         for square in values[1 + 2 * self.num_stages:]:   # in the model's order: see the note

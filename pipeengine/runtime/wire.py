@@ -84,8 +84,9 @@ def encode_header(packed: bool, metas: Sequence[TensorMeta], device: torch.devic
     return torch.tensor(out + [0] * (HEADER_LEN - len(out)), dtype=torch.int64, device=device)
 
 
-def decode_header(header: torch.Tensor) -> tuple[bool, tuple[TensorMeta, ...]]:
-    h = [int(x) for x in header.tolist()]
+def decode_header(values: Sequence[int]) -> tuple[bool, tuple[TensorMeta, ...]]:
+    """What a header announces (``values``: the received header tensor's values)."""
+    h = [int(x) for x in values]
     if h[0] not in (0, 1) or not 0 <= h[1] <= MAX_TENSORS:
         raise ValueError(f"corrupt header {h[:4]}...: the peer sent something else (schedules out of order?)")
     metas, i = [], 2
@@ -137,7 +138,7 @@ class Wire:
         if mode not in ("tags", "strict"):
             raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
         if coalesce is None:
-            coalesce = dist.is_initialized() and dist.get_backend(group) == "nccl"
+            coalesce = dist.is_initialized() and "nccl" in str(dist.get_backend(group))
         top = (3 * microbatches * num_stages) * 16
         if mode == "tags" and not coalesce and top > MAX_TAG:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
@@ -225,9 +226,10 @@ class Wire:
         self._issue(ops)
         self._last_step = transfers if self.mode == "strict" and not self.coalesce else []
         for tr in transfers:
-            if tr.action.kind is Kind.RECV_H:
+            if tr.action.kind is Kind.RECV_H:   # the one transfer the host reads (watched on CUDA too)
                 self._complete(tr)
-                self._streams[self.stage_of(tr.action.chunk) - 1] = decode_header(tr.tensors[0])
+                values = self._watch().host_values(tr.tensors[0], (tr.action,), [tr.rank], error=P2PTimeout)
+                self._streams[self.stage_of(tr.action.chunk) - 1] = decode_header(values)
 
     def settle(self) -> bool:
         """Complete what the proven program completes before the next comm step: Gloo's earlier sends
@@ -258,10 +260,13 @@ class Wire:
 
     # ------------------------------------------------------------------ completion
 
+    def _watch(self) -> Watch:
+        return self.watch or watch()
+
     def _complete(self, tr: _Transfer) -> None:
         if tr.done:
             return
-        watcher = self.watch or watch()
+        watcher = self._watch()
         for w in tr.works:   # on CUDA the compute stream waits, not the host (see [Note: modes])
             watcher.wait(w, (tr.action,), [tr.rank], cuda=self.device.type == "cuda", error=P2PTimeout)
         tr.done = True

@@ -213,6 +213,9 @@ class FaultsConfig:
                                     check=_timeout)
     on_nonfinite: str = setting("stop", "a NaN/inf loss or gradient: stop and name the stage, or skip the update",
                                 choices=ON_NONFINITE)
+    collective_timeout: float = setting(1800.0, "seconds one collective may take before the process group gives up "
+                                                "(long: a checkpoint write is a legitimate slow collective); hangs "
+                                                "are found and explained by --timeout", check=_timeout)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.faults import watch
+from ..runtime.hangs import enable_flight_recorder
 from ..runtime.hostalloc import keep_freed_memory
 from ..runtime.options import STARTUP_TIMEOUT
 from .config import Config
@@ -36,17 +37,25 @@ def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
         keep_freed_memory()   # hostalloc.py: large tensors reused, not page-faulted in every microbatch
     if dist.is_initialized():
         return device, False
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
         # torchrun keeps one store across restarts of the group: keys of a crashed attempt (the Gloo
         # addresses of its groups) would be read by the next one, so each attempt gets its own prefix
         from torch.distributed.distributed_c10d import PrefixStore
         from torch.distributed.rendezvous import rendezvous
-        limit = timedelta(seconds=cfg.faults.timeout or STARTUP_TIMEOUT)
-        store, rank, world = next(rendezvous("env://", timeout=limit))
+        startup = timedelta(seconds=cfg.faults.timeout or STARTUP_TIMEOUT)
+        store, rank, world = next(rendezvous("env://", timeout=startup))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=PrefixStore(f"pipeengine/attempt{attempt}/", store),
-                                rank=rank, world_size=world, timeout=limit)
-        watch().watch_parent()   # a launcher killed with -9 must not leave its workers training
+        store = PrefixStore(f"pipeengine/attempt{attempt}/", store)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        store, rank, world = dist.HashStore(), 0, 1   # type: ignore[attr-defined]
+    if backend == "nccl":
+        enable_flight_recorder()   # named in the wait-for report if a hang comes
+    # the group's own timeout is long (a checkpoint write is a slow collective, not a hang): hangs are the
+    # watch's business (--timeout), on NCCL as on Gloo
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.faults.collective_timeout),
+                            device_id=device if want_cuda else None)
+    if launched:
+        watch().watch_parent()   # a launcher killed with -9 must not leave its workers training
     return device, True

@@ -22,7 +22,6 @@ from ..runtime.clock import gather_records
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.numerics import NonFiniteError
-from ..runtime.options import STARTUP_TIMEOUT
 from ..runtime.topology import Topology
 from ..schedule import theoretical_bubble
 from .breakdown import PARTS, decompose, pipeline_bubble, simulated_bubble
@@ -281,7 +280,7 @@ class Trainer:
         cfg = self.cfg
         self.is_tty = sys.stdout.isatty() and not cfg.logging.quiet
         self.stop = StopRequest(watch().store)
-        self.saver = (AsyncSaver(cfg.faults.timeout or STARTUP_TIMEOUT)
+        self.saver = (AsyncSaver(cfg.faults.collective_timeout)
                       if cfg.saving.background and (cfg.saving.interval or cfg.saving.on_exit) else None)
         code = 0
         try:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine.runtime.faults import adaptive_timeout, wait_for_report
+from pipeengine.runtime.faults import adaptive_timeout
+from pipeengine.runtime.hangs import wait_for_report
 from tests.harness import ROOT, WorldPool, free_port, run_distributed
 
 
@@ -213,3 +214,75 @@ def test_stopped_rank_is_named_as_the_culprit() -> None:
            "the engine" in err
     assert "likely culprit: rank 1 (said nothing)" in err
     assert err.count("pipeengine: wait-for report") == 2   # printed once, and carried by rank 0's exception
+
+
+# ------------------------------------------------------------------ NCCL: the host polls, the watch decides
+
+class NeverDone:
+    """A CUDA event (or NCCL work) whose device never gets there: a peer that hangs."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
+class DeviceTensor:
+    """What the host would read from a CUDA tensor (only its device matters before the poll)."""
+
+    device = torch.device("cuda")
+
+    def tolist(self) -> list[int]:
+        raise AssertionError("read before the device got there: the host would block here for good")
+
+
+def _watch(timeout: float) -> Any:
+    import torch.distributed as dist
+
+    from pipeengine.runtime.faults import Watch
+    w = Watch(dist.HashStore(), 0, 2)   # rank 0 of two; rank 1 says nothing
+    w.timeout = timeout
+    w.event_factory = NeverDone
+    return w
+
+
+def test_a_device_read_that_never_completes_is_reported_like_a_gloo_wait() -> None:
+    """On NCCL the host blocks only where it reads device values (a header, the step's signals, timings);
+    each read polls under the watch's deadline, so --timeout and the wait-for report work there too."""
+    from pipeengine.runtime.faults import WaitTimeout
+    from pipeengine.runtime.wire import P2PTimeout
+    from pipeengine.schedule import Action
+    w = _watch(0.5)
+    t0 = time.monotonic()
+    with pytest.raises(P2PTimeout) as exc:
+        w.host_values(DeviceTensor(), (Action.parse("recvH0<1"),), [1], error=P2PTimeout)
+    assert time.monotonic() - t0 < 5
+    text = str(exc.value)
+    assert text.startswith("rank 0: waits 0.5 s in recvH0<1 for rank(s) 1: no completion after 0.5 s"), text
+    assert "rank 1: said nothing: stopped, dead or stuck outside the engine" in text
+    with pytest.raises(WaitTimeout, match="waits .* s in the end-of-step all-reduce"):
+        _watch(0.3).poll(NeverDone().query, "the end-of-step all-reduce", [1])
+
+
+def test_a_peer_failure_ends_a_device_wait_at_once() -> None:
+    import threading
+
+    from pipeengine.runtime.faults import PeerFailed
+    w = _watch(60)
+    threading.Timer(0.2, lambda: setattr(w, "peer_failure", "error: rank 1 failed in F3: boom")).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailed, match="rank 1 failed in F3"):
+        w.poll(NeverDone().query, "the loss all-reduce", [1])
+    assert time.monotonic() - t0 < 2
+
+
+def test_the_nccl_flight_recorder_is_on_and_named_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeengine.runtime.hangs import enable_flight_recorder
+    for key in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")   # a user's own setting wins
+    prefix = enable_flight_recorder()
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    report = wait_for_report({}, 2, 5, recorder=prefix + "0")
+    assert f"NCCL flight recorder: every rank's last collectives and p2p ops in {prefix}<rank>" in report
