@@ -198,6 +198,9 @@ class SavingConfig:
                                        "when pp and chunks match", metavar="PATH")
     on_exit: bool = setting(False, "on Ctrl-C or SIGTERM, finish the step in progress on every rank and save a "
                                    "checkpoint", flag="--save-on-exit")
+    exit_budget: float = setting(25.0, "seconds a save on SIGTERM may take (torchrun kills the workers 30 s after "
+                                       "its SIGTERM): when the last save took longer, the exit save is skipped and "
+                                       "the run says so", flag="--exit-save-budget", check=_timeout, metavar="S")
     background: bool = setting(False, "write checkpoints in the background (torch.distributed.checkpoint."
                                       "async_save): a save costs the step a copy of the state to host memory (and the "
                                       "previous save's end, if it is still writing); it becomes visible at the next "

@@ -25,7 +25,7 @@ from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
 from ..schedule import theoretical_bubble
 from .breakdown import PARTS, decompose, pipeline_bubble, simulated_bubble
-from .checkpoint import AsyncSaver, CheckpointError, save
+from .checkpoint import AsyncSaver, CheckpointError, check_shared, save
 from .cli import to_toml
 from .config import Config, partition_arg
 from .data import batches
@@ -85,6 +85,7 @@ class Trainer:
         self.cfg = cfg
         self.device, self.owned = init_distributed(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.last_save_s: float | None = None   # how long the last save made the step wait
 
     # ------------------------------------------------------------------ set-up
 
@@ -106,6 +107,8 @@ class Trainer:
 
         # one rank's bad input (a local path) is every rank's error
         self.topo, self.model = on_every_rank(check)
+        if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
+            check_shared(cfg.saving.dir)   # checkpoints need one folder every node sees
         point = pick_checkpoint(cfg, self.topo, len(self.model.factories))
         self.engine = self._engine(point)
         self.state = RunState(start=resume(cfg, self.engine, point))
@@ -226,9 +229,23 @@ class Trainer:
         else:
             self._publish_background(newline)   # the previous background save, made visible
             saved = self.saver.save(self.engine, cfg.saving.dir, step, keep=keep, extra=extra)
+        self.last_save_s = time.perf_counter() - t_save
         if self.rank == 0:
             how = "the step waited" if self.saver else "saved"
-            print(f"{chr(10) if newline else ''}{saved}: {how} {time.perf_counter() - t_save:.2f} s")
+            print(f"{chr(10) if newline else ''}{saved}: {how} {self.last_save_s:.2f} s")
+
+    def _exit_save(self, step: int, signum: int) -> None:
+        """The save on a stop request; on SIGTERM bounded by --exit-save-budget (torchrun's SIGKILL follows)."""
+        budget = self.cfg.saving.exit_budget
+        if signum == signal.SIGTERM and self.last_save_s is not None and self.last_save_s > budget:
+            if self.rank == 0:
+                print(f"exit save skipped: the last save took {self.last_save_s:.1f} s, more than the "
+                      f"{budget:g} s allowed after SIGTERM (--exit-save-budget); the newest checkpoint stands",
+                      file=sys.stderr)
+            return
+        self.save(step)
+        if self.rank == 0 and signum == signal.SIGTERM:
+            print(f"exit save: {self.last_save_s:.1f} s of the {budget:g} s allowed after SIGTERM", file=sys.stderr)
 
     def _publish_background(self, newline: bool = False, wait: bool = True) -> None:
         """Make a finished background save visible (``wait``: wait for the one in flight first)."""
@@ -346,7 +363,7 @@ class Trainer:
             if self.rank == 0:
                 print(f"{self._nl()}{name}: every rank stopped after step {state.done}", file=sys.stderr)
             if cfg.saving.on_exit and not (cfg.saving.interval and state.done % cfg.saving.interval == 0):
-                self.save(state.done)
+                self._exit_save(state.done, self.stop.signum)
             code = 128 + self.stop.signum
         else:
             state.val_loss = self.evaluate(steps)

@@ -340,3 +340,54 @@ def test_a_config_file_written_before_sections_loads() -> None:
     assert (cfg.model.name, cfg.optimizer.steps, cfg.recompute.policy, cfg.data.micro_batch_size) == \
         ("mlp", 7, "full", 2)
     assert cfg == parse_args(["--model", "mlp", "--steps", "7", "--recompute", "full", "-b", "2"])
+
+
+# ------------------------------------------------------------------ many nodes
+
+def _setup_in_own_folder(rank: int, world: int, folder: str, flags: list[str]) -> str:
+    """Each rank in a folder of its own, as nodes without a shared filesystem see a relative --save-dir."""
+    from pipeengine.training.trainer import Trainer
+    here = os.getcwd()
+    os.makedirs(os.path.join(folder, f"node{rank}"), exist_ok=True)
+    os.chdir(os.path.join(folder, f"node{rank}"))
+    try:
+        Trainer(parse_args(flags)).setup()
+        return "set up"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        os.chdir(here)
+
+
+def test_a_save_dir_that_is_not_one_folder_for_every_node_is_refused(tmp_path: Path, world2: WorldPool) -> None:
+    flags = ["--model", "mlp", "--save-interval", "1", "--save-dir", "ck", "--log-dir", str(tmp_path / "runs"),
+             "--partition", "uniform"]
+    apart = world2.run(_setup_in_own_folder, str(tmp_path), flags)
+    assert apart[0] == apart[1], apart
+    assert apart[0].startswith("--save-dir 'ck' is not one folder for every node: node "), apart
+    assert "(rank 1) does not see the file rank 0 wrote in it" in apart[0]
+    shared = world2.run(_setup_in_own_folder, str(tmp_path), [*flags[:5], str(tmp_path / "ck"), *flags[6:]])
+    assert shared == ["set up", "set up"] and os.listdir(tmp_path / "ck") == []   # the probe is gone
+
+
+def test_the_save_on_sigterm_is_bounded_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    import signal as signals
+
+    from pipeengine.training.trainer import Trainer
+    t = Trainer.__new__(Trainer)   # only what the exit save reads
+    t.cfg, t.rank, saved = parse_args(["--exit-save-budget", "20"]), 0, []
+
+    def fake_save(step: int, newline: bool = False) -> None:
+        saved.append(step)
+        t.last_save_s = 3.0
+    t.save = fake_save   # type: ignore[method-assign]
+    t.last_save_s = 41.0   # the last save took longer than torchrun's grace
+    t._exit_save(7, signals.SIGTERM)
+    assert saved == [] and "exit save skipped: the last save took 41.0 s, more than the 20 s allowed after " \
+                           "SIGTERM (--exit-save-budget)" in capsys.readouterr().err
+    t.last_save_s = 2.0
+    t._exit_save(7, signals.SIGTERM)
+    assert saved == [7] and "exit save: 3.0 s of the 20 s allowed after SIGTERM" in capsys.readouterr().err
+    t.last_save_s = 41.0
+    t._exit_save(8, signals.SIGINT)   # Ctrl-C: no launcher's deadline follows
+    assert saved == [7, 8]
