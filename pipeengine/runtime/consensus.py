@@ -43,9 +43,12 @@ class Consensus:
         self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
         self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
 
-    def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int]) -> StepSignals:
-        """Gradient norm, loss and non-finite flags of the whole pipeline: one all-reduce over it."""
+    def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None) -> StepSignals:
+        """Gradient norm, loss, non-finite flags and stop requests of the whole pipeline: one all-reduce over it
+        (``stop``: a signal this rank got)."""
         vec = SignalVector(self.num_stages, sum(plan.param_counts), self.device)
+        if stop is not None:
+            vec.request_stop(stop)
         for st in stages:
             stage_sq = torch.zeros((), dtype=torch.float64, device=self.device)
             for index, layer in zip(plan.layers_of(st.index), st.module.layers):
@@ -61,13 +64,15 @@ class Consensus:
                       "the end-of-step all-reduce", self.pp_peers)
         return vec.decode(lambda t: self.watch.host_values(t, "the end-of-step all-reduce", self.pp_peers))
 
-    def mean_over_replicas(self, replica_loss: float) -> float:
+    def over_replicas(self, replica_loss: float, stops: Sequence[float] = ()) -> tuple[float, list[float]]:
+        """The loss averaged over the replicas, and the stop requests summed over them (one all-reduce)."""
         if self.topology.dp == 1:
-            return replica_loss
-        value = torch.tensor(replica_loss, dtype=torch.float64, device=self.device)
+            return replica_loss, list(stops)
+        value = torch.tensor([replica_loss, *stops], dtype=torch.float64, device=self.device)
         self.wait(dist.all_reduce(value, group=self.groups.dp_group, async_op=True), "the loss all-reduce",
                   self.dp_peers)
-        return float(self.watch.host_values(value, "the loss all-reduce", self.dp_peers)) / self.topology.dp
+        total, *summed = self.watch.host_values(value, "the loss all-reduce", self.dp_peers)
+        return total / self.topology.dp, summed
 
     def eval_loss(self, last: Stage) -> float:
         """Mean loss of an eval step on every rank: summed on the last stage, shared, averaged over DP."""
@@ -77,7 +82,7 @@ class Consensus:
         if self.topology.pp > 1:
             self.wait(dist.broadcast(value, src=self.last_rank, group=self.groups.pp_group, async_op=True),
                       "the loss broadcast", self.pp_peers)
-        return self.mean_over_replicas(float(self.watch.host_values(value, "the loss broadcast", self.pp_peers)))
+        return self.over_replicas(float(self.watch.host_values(value, "the loss broadcast", self.pp_peers)))[0]
 
 
 def _squares(params: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:

@@ -26,12 +26,12 @@ from .device import default_device
 from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, final_gradients
 from .layers import LayerSpec
 from .local import LocalModel
-from .numerics import LossScale, NonFiniteError, nonfinite_message
+from .microbatches import read_microbatches
+from .numerics import LossScale, NonFiniteError, nonfinite_message, stop_signal
 from .options import STARTUP_TIMEOUT, check_engine_arguments
 from .plan import Plan, make_plan
 from .stage import LayerChain, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
-from .tensors import to_device
 from .topology import Topology
 from .wire import Wire
 
@@ -51,6 +51,7 @@ class StepResult:
     skipped: bool = False                                       # no optimizer step (non-finite, see below)
     nonfinite: bool = False                                     # the loss or gradients were non-finite
     grad_sync_wait: float = 0.0                                 # seconds waiting for the DP all-reduce
+    stop: int | None = None                                     # a signal some rank got: every rank stops here
 
 
 @dataclass
@@ -145,6 +146,7 @@ class PipelineEngine:
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self.loss_scale = LossScale(precision == "fp16")
         self.step_count = 0       # optimizer steps taken (restored from a checkpoint)
+        self.stop_request: int | None = None   # a signal this rank got, told to every rank with the next step
         self.skipped_steps = 0
         self._step_times: list[float] = []
         self._steps_run = 0       # steps run by this engine object (the first is start-up)
@@ -290,9 +292,10 @@ class PipelineEngine:
 
     def _decide(self, result: StepResult) -> None:
         """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""
-        signals = self.consensus.signals(self.stages, self.plan, self.ties.norm_skip)
+        signals = self.consensus.signals(self.stages, self.plan, self.ties.norm_skip, self.stop_request)
         result.grad_norm = math.sqrt(signals.grad_sq)
-        result.loss = self.consensus.mean_over_replicas(signals.loss)
+        result.loss, stops = self.consensus.over_replicas(signals.loss, signals.stops)
+        result.stop = stop_signal(stops)
         overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
         result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
         if result.nonfinite and self.on_nonfinite == "stop":
@@ -308,24 +311,6 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ interpreting the program
 
-    def _read_data(self, data_iter: Iterator[Any] | None) -> tuple[list[Any], list[Any]]:
-        if not self.needs_data:
-            return [], []
-        if data_iter is None:
-            raise ValueError(f"rank {self.rank} holds the first or last stage and needs a data iterator")
-        inputs, targets = [], []
-        for k in range(self.microbatches):
-            try:
-                item = next(data_iter)
-            except StopIteration:
-                raise ValueError(f"the data iterator ran out after {k} of {self.microbatches} microbatches "
-                                 f"of step {self.step_count}") from None
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise TypeError(f"the data iterator must yield (inputs, target) pairs, got {type(item).__name__}")
-            inputs.append(to_device(item[0], self.device))
-            targets.append(to_device(item[1], self.device))
-        return inputs, targets
-
     def _run(self, program: list[Step], data_iter: Iterator[Any] | None, train: bool,
              keep_outputs: bool) -> StepResult:
         self.watch.context = f"position {self.position}, replica {self.replica}, step {self.step_count}"
@@ -333,7 +318,9 @@ class PipelineEngine:
         self.clock.start()
         for st in self.stages:
             st.reset()
-        state = _StepState(train, keep_outputs, *self._read_data(data_iter))
+        data = (read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank)
+                if self.needs_data else ([], []))
+        state = _StepState(train, keep_outputs, *data)
         self.wire.begin_step()
         with cast_cache_scope(self.device, self.precision):   # one low-precision copy per weight and step
             for idx, step in enumerate(program):

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["NonFiniteError", "StepSignals", "SignalVector", "LossScale", "nonfinite_message"]
+__all__ = ["NonFiniteError", "StepSignals", "SignalVector", "LossScale", "nonfinite_message", "STOP_SIGNALS",
+           "stop_signal"]
 
 
 class NonFiniteError(FloatingPointError):
     """The loss or the gradients went non-finite (``on_nonfinite="stop"``); raised on every rank alike."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # in the precedence a stop reports them
 
 
 @dataclass
@@ -23,13 +28,16 @@ class StepSignals:
     loss: float                     # this replica's step loss (the last stage's microbatch losses, summed)
     nonfinite_outputs: list[float]  # per stage: outputs (or the loss) that went non-finite
     nonfinite_grads: list[float]    # per stage: gradients that went non-finite
+    stops: list[float]              # per STOP_SIGNALS: how many ranks asked to stop after this step
 
 
 class SignalVector:
     """The float64 vector a step all-reduces over its pipeline: the layout of :class:`StepSignals` in one place.
 
-    ``[loss, (outputs, grads) per stage, squared norm per parameter]``; each rank adds its share in
-    place on the device (no host sync until the all-reduce has been waited for).
+    ``[loss, stop requests per STOP_SIGNALS, (outputs, grads) per stage, squared norm per parameter]``;
+    each rank adds its share in place on the device (no host sync until the all-reduce has been waited
+    for). A stop request (Ctrl-C, SIGTERM, SIGHUP on any rank) rides here, so every rank of the
+    pipeline learns it at the same step without asking the store.
 
     [Note: the norm in the model's order]
     Each parameter's squared gradient norm has a slot of its own, in the model's parameter order
@@ -41,29 +49,40 @@ class SignalVector:
 
     def __init__(self, num_stages: int, num_params: int, device: torch.device) -> None:
         self.num_stages, self.num_params = num_stages, num_params
-        self.tensor = torch.zeros(1 + 2 * num_stages + num_params, dtype=torch.float64, device=device)
+        self._flags = 1 + len(STOP_SIGNALS)
+        self._norms = self._flags + 2 * num_stages
+        self.tensor = torch.zeros(self._norms + num_params, dtype=torch.float64, device=device)
 
     def set_grad_sq(self, first: int, squares: torch.Tensor) -> None:
         """The squared norms of parameters ``first``, ``first + 1``, ... (in the model's order)."""
-        start = 1 + 2 * self.num_stages + first
+        start = self._norms + first
         self.tensor[start:start + len(squares)] = squares
 
     def set_loss(self, value: torch.Tensor) -> None:
         self.tensor[0] = value
 
+    def request_stop(self, signum: int) -> None:
+        self.tensor[1 + STOP_SIGNALS.index(signum)] = 1
+
     def add_stage(self, stage: int, outputs_and_grads: torch.Tensor, grads_nonfinite: torch.Tensor) -> None:
         """A stage's non-finite counts (outputs, input gradients), and whether its weight gradients are."""
-        self.tensor[1 + 2 * stage:3 + 2 * stage] += outputs_and_grads
-        self.tensor[2 + 2 * stage] += grads_nonfinite
+        start = self._flags + 2 * stage
+        self.tensor[start:start + 2] += outputs_and_grads
+        self.tensor[start + 1] += grads_nonfinite
 
     def decode(self, read: Callable[[torch.Tensor], list[float]] = torch.Tensor.tolist) -> StepSignals:
         """The signals, read from the all-reduced tensor with ``read`` (a watched host read on CUDA)."""
         values = read(self.tensor)
-        flags = values[1:1 + 2 * self.num_stages]
+        flags = values[self._flags:self._norms]
         grad_sq = 0.0
-        for square in values[1 + 2 * self.num_stages:]:   # in the model's order: see the note
+        for square in values[self._norms:]:   # in the model's order: see the note
             grad_sq += square
-        return StepSignals(grad_sq, values[0], flags[0::2], flags[1::2])
+        return StepSignals(grad_sq, values[0], flags[0::2], flags[1::2], values[1:self._flags])
+
+
+def stop_signal(stops: Sequence[float]) -> int | None:
+    """The signal a stop reports (the first of STOP_SIGNALS some rank got), or None."""
+    return next((sig for sig, n in zip(STOP_SIGNALS, stops) if n > 0), None)
 
 
 def nonfinite_message(step: int, signals: StepSignals, grad_norm: float, replica: int,

@@ -130,23 +130,30 @@ def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any
                          "to time the layers on (or choose partition='parameters')")
     n, rank, world = len(specs), dist.get_rank(), dist.get_world_size()
     owners = min(n, world)
-    result: list[LayerCost] | str = []
-    if rank < owners:
-        shares = partition(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
-        result = _profile_share(specs, shares[rank], shares[rank + 1], seed, sample, loss_fn, device, precision,
-                                split, rank, owners)
-    everyone = gathered(result if isinstance(result, list) else None, result if isinstance(result, str) else None)
+    # the chain passes Python objects between CPU processes: a Gloo group of its own, gone afterwards (on
+    # NCCL the default group would make a communicator per pair of ranks just for this)
+    group = dist.new_group(backend="gloo")
+    try:
+        result: list[LayerCost] | str = []
+        if rank < owners:
+            shares = partition(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
+            result = _profile_share(specs, shares[rank], shares[rank + 1], seed, sample, loss_fn, device,
+                                    precision, split, rank, owners, group)
+        everyone = gathered(result if isinstance(result, list) else None, result if isinstance(result, str) else None,
+                            group=group)
+    finally:
+        dist.destroy_process_group(group)
     return [c for costs in everyone if costs for c in costs]
 
 
 def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, sample: tuple[Any, Any],
                    loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device, precision: str,
-                   split: bool | None, rank: int, owners: int) -> list[LayerCost] | str:
+                   split: bool | None, rank: int, owners: int, group: Any) -> list[LayerCost] | str:
     """This rank's share of :func:`profile_shares`: its layers' costs, or the error as text."""
     x: Any = to_device(sample[0], device)
     if rank > 0:
         got: list[Any] = [None]
-        dist.recv_object_list(got, src=rank - 1)
+        dist.recv_object_list(got, src=rank - 1, group=group)
         x = to_device(got[0], device)
     passed = rank + 1 == owners   # the next share's input (or the error) went on
     # more processes than cores: time the shares one after the other (passing the input on after
@@ -162,15 +169,15 @@ def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, samp
                                                  dtype=DTYPES[precision] or torch.float32):
                 out = LayerChain(layers, lo)(x)
             if not passed and not one_at_a_time:
-                dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1)
+                dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1, group=group)
                 passed = True
             result = profile_layers(layers, lo, len(specs), x, loss_fn=loss_fn, target=to_device(sample[1], device),
                                     device=device, precision=precision, split=split)
             if not passed:
-                dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1)
+                dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1, group=group)
         return result
     except (ValueError, TypeError, RuntimeError) as exc:
         message = f"profiling layers {lo}..{hi - 1} on rank {rank} failed: {exc}"
         if not passed:
-            dist.send_object_list([message], dst=rank + 1)
+            dist.send_object_list([message], dst=rank + 1, group=group)
         return message

@@ -186,7 +186,9 @@ class Trainer:
         every = log.timeline_interval
         timeline = step in self.timeline_steps or bool(every and (step + 1) % every == 0)
         wanted = step % log.log_interval == 0 or step == cfg.optimizer.steps - 1 or log.trace_step == step or timeline
-        records = gather_records(res.records) if wanted else None   # the same decision on every rank
+        # replica 0's pipeline stands for every replica (they run the same program): only its ranks send
+        records = (gather_records(res.records, engine.groups.pp_group)
+                   if wanted and engine.replica == 0 else None)   # the same decision on every rank
         if not wanted and self.rank == 0:
             self.writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
                                            "throughput/samples_per_s": self.global_batch / res.step_time,
@@ -200,8 +202,7 @@ class Trainer:
                       timeline: bool) -> None:
         topo, engine = self.topo, self.engine
         step_time = max(r.end for rs in records.values() for r in rs)
-        # replica 0's ranks stand for their position (replicas run the same program)
-        parts = decompose({rk: rs for rk, rs in records.items() if topo.replica_of(rk) == 0}, step_time)
+        parts = decompose(records, step_time)   # replica 0's ranks, one per position
         measured = pipeline_bubble(parts)
         theory = simulated_bubble(engine.schedule, [records.get(topo.rank(p, 0), []) for p in range(topo.pp)])
         share = {k: sum(p[k] for p in parts.values()) / len(parts) / step_time for k in PARTS}
@@ -296,7 +297,7 @@ class Trainer:
         self._open_logs()
         cfg = self.cfg
         self.is_tty = sys.stdout.isatty() and not cfg.logging.quiet
-        self.stop = StopRequest(watch().store)
+        self.stop = StopRequest(lambda signum: setattr(self.engine, "stop_request", signum))
         self.saver = (AsyncSaver(cfg.faults.collective_timeout)
                       if cfg.saving.background and (cfg.saving.interval or cfg.saving.on_exit) else None)
         code = 0
@@ -337,10 +338,9 @@ class Trainer:
         cfg, state = self.cfg, self.state
         steps = cfg.optimizer.steps
         t_start = time.perf_counter()
+        stopped: int | None = None
         for step in range(state.start, steps):
-            if self.stop.after(step):
-                break
-            self.train_step(step)
+            stopped = self.train_step(step).stop   # a signal on any rank: every rank learns it with this step
             if cfg.logging.eval_interval and (step + 1) % cfg.logging.eval_interval == 0 and step + 1 < steps:
                 state.val_loss = self.evaluate(step)
                 self.writer.log_eval(step, state.val_loss)
@@ -356,15 +356,17 @@ class Trainer:
                 print(("\r" + line + "\033[K") if self.is_tty else line, end="" if self.is_tty else "\n", flush=True)
             if step % cfg.logging.log_interval == 0:
                 self._write_summary()
+            if stopped is not None:
+                break
         code = 0
-        if self.stop.signum is not None:
-            name = signal.Signals(self.stop.signum).name
+        if stopped is not None:
+            name = signal.Signals(stopped).name
             state.status = f"stopped by {name} after step {state.done}"
             if self.rank == 0:
                 print(f"{self._nl()}{name}: every rank stopped after step {state.done}", file=sys.stderr)
             if cfg.saving.on_exit and not (cfg.saving.interval and state.done % cfg.saving.interval == 0):
-                self._exit_save(state.done, self.stop.signum)
-            code = 128 + self.stop.signum
+                self._exit_save(state.done, stopped)
+            code = 128 + stopped
         else:
             state.val_loss = self.evaluate(steps)
             self.writer.log_eval(steps - 1, state.val_loss)   # at the last training step

@@ -286,3 +286,52 @@ def test_the_nccl_flight_recorder_is_on_and_named_in_the_report(monkeypatch: pyt
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     report = wait_for_report({}, 2, 5, recorder=prefix + "0")
     assert f"NCCL flight recorder: every rank's last collectives and p2p ops in {prefix}<rank>" in report
+
+
+# ------------------------------------------------------------------ the store is not on the step's path
+
+class CountingStore:
+    """The process group's store, counting what is asked of it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.ops += 1
+            return method(*args, **kwargs)
+        return counted
+
+
+def store_traffic(rank: int, world: int, steps: int) -> tuple[int, float]:
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.faults import watch
+    from pipeengine.runtime.topology import Topology
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(8)]
+    engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.01),
+                            topology=Topology(4, 2), microbatches=4)
+    w = watch()
+    counting = CountingStore(w.store)
+    w.store = counting
+    try:
+        data = [(torch.randn(2, 8), torch.randn(2, 8))] * 4
+        t0 = time.monotonic()
+        for _ in range(steps):
+            engine.train_batch(iter(data))
+        return counting.ops, time.monotonic() - t0
+    finally:
+        w.store = counting.store
+
+
+@pytest.mark.slow
+def test_store_traffic_per_rank_is_a_rate_not_a_per_step_cost(world8: WorldPool) -> None:
+    """What each rank asks the store (the watcher's poll, twice a second) does not grow with steps (a stop
+    request rides on the step's all-reduce) nor with the world size."""
+    few, many = world8.run(store_traffic, 5, timeout=120), world8.run(store_traffic, 60, timeout=120)
+    for (ops_few, secs_few), (ops_many, secs_many) in zip(few, many):
+        assert ops_many <= 2 / 0.5 * secs_many + 2, (ops_many, secs_many)       # POLL = 0.5 s
+        assert ops_many < 60 / 4, (ops_many, "ops for 60 steps")
+    print("store ops per rank:", [f"{ops / steps:.2f}/step, {ops / secs:.1f}/s" for (ops, secs), steps in
+                                  zip(many, [60] * 8)])
