@@ -36,7 +36,9 @@ What it measures, per rank:
   ``torch.cuda.reset_peak_memory_stats`` / ``memory_allocated`` / ``max_memory_allocated``.
   Step times are recorded but are not performance figures: with the mmap threshold every large
   allocation is a fresh mmap whose pages fault in, which slows both engines.
-* Extra rows, ours only: ``precision="bf16"`` on the boundary model, and a ``deep`` model (4 layers
+* Extra rows, ours only: ``precision="bf16"`` on the boundary model and, fp32 against bf16, on a
+  ``weights`` model (4 Linear(1024, 1024) per stage, 8-row microbatches, GPipe m = 8: where a bf16
+  copy of the weights per microbatch in flight would show), and a ``deep`` model (4 layers
   ``relu(x * w + b)`` per stage, each saving its A-MiB output) with ``recompute="none"`` and
   ``"full"``: peak and step time. Skipped with a note if PipelineEngine has no such argument.
 * Big GPT (models/gpt.py), pp = 4 (pp = 2 with --quick), AdamW, 2 steps: each rank's peak RSS over
@@ -147,11 +149,14 @@ class Affine(nn.Module):
 
 
 def layers_per_stage(model: str) -> int:
-    return DEEP_LAYERS if model == "deep" else 1
+    return DEEP_LAYERS if model in ("deep", "weights") else 1
 
 
 def make_layers(model: str, pp: int) -> list[nn.Module]:
-    """boundary: one Affine per stage; deep: DEEP_LAYERS relu-Affines per stage (where checkpointing pays)."""
+    """boundary: one Affine per stage; deep: DEEP_LAYERS relu-Affines per stage (where checkpointing pays);
+    weights: DEEP_LAYERS Linear(COLS, COLS) per stage, 8-row microbatches (where bf16 weight copies show)."""
+    if model == "weights":
+        return [nn.Linear(COLS, COLS) for _ in range(pp * DEEP_LAYERS)]
     return [Affine(COLS, relu=model == "deep") for _ in range(pp * layers_per_stage(model))]
 
 
@@ -224,7 +229,7 @@ def _write(out_dir: str, variant: str, rec: dict[str, Any]) -> None:
 def worker_matrix(a: argparse.Namespace, device: torch.device, probe: Probe) -> None:
     """boundary / deep model: measure each variant in turn (fresh build, warm-up, measured steps)."""
     rank = dist.get_rank()
-    rows = a.act_mib * MIB // (4 * COLS)
+    rows = 8 if a.model == "weights" else a.act_mib * MIB // (4 * COLS)
     # The data exists before any engine: only the first stage reads inputs (views of one batch tensor).
     full = torch.randn(a.m * rows, COLS, device=device) if rank == 0 else None
     mbs = list(full.split(rows)) if full is not None else []
@@ -534,6 +539,13 @@ def main() -> None:
                                    "results": res})
         else:
             notes.append("recompute rows skipped: engine has no recompute= argument yet")
+        if has_prec:   # bf16 against fp32 where the weights dominate: GPipe holds every microbatch in flight
+            for pp in a.pp:
+                res = run_config(pp, ["ours", "ours:precision=bf16"],
+                                 ["--model", "weights", "--schedule", "gpipe", "-m", "8", *common], a.timeout)
+                name = f"weights ({DEEP_LAYERS} Linear({COLS}, {COLS})/stage, 8-row microbatches)"
+                extras.append({"section": "extra", "model": name, "schedule": "gpipe", "pp": pp, "m": 8,
+                               "act_mib": 8 * COLS * 4 / MIB, "steps": a.steps, "results": res})
     for r in matrix + extras:
         for recs in r["results"].values():
             if isinstance(recs, list):
