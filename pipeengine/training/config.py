@@ -118,6 +118,10 @@ class DataConfig:
     micro_batch_size: int = setting(4, "examples per microbatch", short="-b", check=at_least(1))
     global_batch: int | None = setting(None, "examples per optimizer step over all replicas (sets "
                                              "--micro-batch-size)", check=at_least(1, "a positive number of examples"))
+    workers: int | None = setting(None, "processes reading ahead on each rank that reads data (torch.utils.data."
+                                        "DataLoader workers; 0: read in the training process; None: 2 on CUDA, 0 "
+                                        "on CPU, where workers would take the ranks' cores)", flag="--data-workers",
+                                  check=at_least(0))
 
 
 @dataclass
@@ -236,6 +240,9 @@ class LoggingConfig:
                                          "for the first step after warm-up and the last; 0: only those)",
                                      check=at_least(0))
     trace_step: int | None = setting(None, "write a Chrome/Perfetto trace of this step", check=at_least(0))
+    peak_tflops: float | None = setting(None, "the device's peak TFLOP/s, for MFU (None: from a table of known GPUs "
+                                              "for the precision; none on CPU)", check=finite(0, above=True),
+                                        metavar="TFLOPS")
 
 
 @dataclass

@@ -6,21 +6,27 @@ import json
 import math
 import os
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
+
+from .resources import memory_text
 
 __all__ = ["progress_line", "summary_text", "write_json", "oversubscribed", "mean"]
 
 
-def progress_line(step: int, total: int, loss: float, val: float, samples_s: float, steps_s: float,
+def progress_line(step: int, total: int, loss: float, val: float, rates: Mapping[str, float | None], memory: str,
                   width: int = 24) -> str:
-    """``[####....] step 40/100  loss 2.9876  val 2.8765  3.1 steps/s  190 samples/s  ETA 0:19``."""
+    """``[####....] step 40/100  loss 2.9876  val 2.8765  3.1 steps/s  99 samples/s  6,336 tokens/s  412 MiB RSS
+    ETA 0:00:19``: the rates are :meth:`Reporter.rates` (one wall time), the ETA follows from steps/s."""
     done = int(width * step / total)
+    steps_s = rates["steps_per_s"] or 0.0
     eta = int((total - step) / steps_s) if steps_s > 0 else 0
     val_s = f"  val {val:.4f}" if math.isfinite(val) else ""
-    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}{val_s}  {steps_s:.1f} steps/s"
-            f"  {samples_s:,.0f} samples/s  ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+    tokens = f"  {rates['tokens_per_s']:,.0f} tokens/s" if rates.get("tokens_per_s") else ""
+    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}{val_s}  {steps_s:.2f} "
+            f"steps/s  {rates['samples_per_s'] or 0:,.1f} samples/s{tokens}  {memory}  "
+            f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
 
 
 def mean(xs: Sequence[float]) -> float | None:
@@ -37,24 +43,55 @@ def oversubscribed(device: torch.device) -> str | None:
     return f"{procs} processes x {threads} threads on {cores} cores" if procs * threads > cores else None
 
 
+def _si(x: float) -> str:
+    """``1.38 G`` for 1.38e9."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}"
+    return f"{x:.3g} "
+
+
+def _compute_text(s: dict[str, Any]) -> str:
+    if not s.get("flops_per_sample"):
+        return "n/a (the model's FLOPs could not be counted on the meta device)"
+    text = (f"{s['tflops_per_rank']:.3g} model TFLOP/s per rank ({_si(s['flops_per_sample'])}FLOP per sample = 3 x "
+            f"forward)")
+    if s.get("mfu") is not None:
+        return text + f"  MFU {100 * s['mfu']:.1f}% of {s['peak_tflops']:g}"
+    return text + "  MFU n/a: no known peak (--peak-tflops)"
+
+
 def summary_text(s: dict[str, Any]) -> str:
+    """The block printed at the end of a run (``s``: the Trainer's summary)."""
     cfg = s["config"]
-    tok = f"  tokens/s {s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else ""
+    tok = f"  {s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else ""
     bub, parts = "n/a", "n/a"
     if s["measured_bubble"] is not None:
         bub = (f"measured {s['measured_bubble']:.3f}  simulated {s['theoretical_bubble']:.3f}  closed form "
                f"{s['closed_form_bubble']:.3f}  ({len(s['timed_steps'])} timed steps, the first "
                f"{s['warmup_steps']} left out as warm-up)")
-        parts = "  ".join(f"{k} {100 * v:.0f}%" for k, v in s["step_parts"].items())
+        parts = f"{1000 * (s['wall_s_per_step'] or 0):.1f} ms per step: " + "  ".join(
+            f"{k} {100 * v:.0f}%" for k, v in s["step_parts"].items())
+        parts += ("\n           (compute to sync: the pipeline step, mean over positions; other: evaluation, saves, "
+                  "logging)")
         if s["oversubscribed"]:
             parts += f"\n           ({s['oversubscribed']}: the ranks take turns, waits include CPU contention)"
+    memory = "  ".join(f"{p}: {memory_text(m)}" for p, m in s["peak_memory_mib"].items()) or "n/a"
+    g = s["global_batch"]
     return "\n".join([
         "=" * 72,
         f"model {cfg['model']['name']}/{cfg['model']['preset']}  schedule {cfg['schedule']['name']}  pp {s['pp']} x "
-        f"dp {s['dp']}  microbatches {cfg['schedule']['microbatches']} x {cfg['data']['micro_batch_size']}  steps "
-        f"{cfg['optimizer']['steps']}",
+        f"dp {s['dp']}  global batch {g} = {s['dp']} x {cfg['schedule']['microbatches']} microbatches x "
+        f"{cfg['data']['micro_batch_size']}  steps {cfg['optimizer']['steps']}",
         f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",
-        f"throughput {s['samples_per_s']:,.1f} samples/s{tok}  (median step {s['median_step_s'] * 1000:.1f} ms)",
+        f"throughput {s['steps_per_s']:.2f} steps/s  {s['samples_per_s']:,.1f} samples/s{tok}  (wall time of the "
+        f"steps after warm-up,\n           data, evaluation, saves and logging included; median pipeline step "
+        f"{s['median_step_s'] * 1000:.1f} ms)",
+        f"compute    {_compute_text(s)}",
+        f"wall time  {s['elapsed_s']:.1f} s since the process started: start-up {s['startup_s'] or 0:.1f} s, "
+        f"{len(s['losses'])} steps {s['steps_s']:.1f} s, final evaluation and summary "
+        f"{s['elapsed_s'] - (s['startup_s'] or 0) - s['steps_s']:.1f} s",
+        f"memory     peak per position  {memory}",
         f"bubble     {bub}",
         f"step time  {parts}",
         "=" * 72,

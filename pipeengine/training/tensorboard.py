@@ -17,9 +17,14 @@ __all__ = ["MetricsWriter"]
 # Tags are regexes matched from the start (re.match); ``$`` keeps "train/loss" from matching "train/loss_x".
 # Per-position charts match every position, so the layout is written once and needs no position count.
 _LAYOUT: dict[str, dict[str, list[Any]]] = {
-    "Throughput": {"samples/s": ["Multiline", [r"throughput/samples_per_s$"]],
-                   "tokens/s": ["Multiline", [r"throughput/tokens_per_s$"]],
-                   "step time (s)": ["Multiline", [r"time/step_s$"]]},
+    "Throughput": {   # from the wall time of the steps after warm-up: data, pipeline, evaluation, saves, logging
+        "samples/s (wall time)": ["Multiline", [r"throughput/samples_per_s$"]],
+        "tokens/s (wall time)": ["Multiline", [r"throughput/tokens_per_s$"]],
+        "model TFLOP/s per rank": ["Multiline", [r"throughput/tflops_per_rank$"]],
+        "MFU (model FLOP/s / peak)": ["Multiline", [r"throughput/mfu$"]],
+        "time per step (s): wall, data, pipeline": ["Multiline",
+                                                    [r"time/wall_s$", r"time/data_s$", r"time/step_s$"]]},
+    "Memory": {"peak per position (MiB)": ["Multiline", [r"memory/position\d+/\w+_mib$"]]},
     "Pipeline": {"bubble: measured vs theoretical": ["Multiline", [r"pipeline/bubble_measured$",
                                                                    r"pipeline/bubble_theoretical$"]],
                  **{f"{part} time per position (s)": ["Multiline", [rf"time/position\d+/{part}$"]]
@@ -64,18 +69,20 @@ class MetricsWriter:
             self._writer.flush()
 
     def log_step(self, step: int, *, loss: float, lr: float, grad_norm: float | None, step_time: float,
-                 samples_per_s: float, tokens_per_s: float | None,
+                 samples_per_s: float | None, tokens_per_s: float | None,
                  parts_by_position: Mapping[int, Mapping[str, float]], measured_bubble: float,
                  theoretical_bubble: float) -> None:
         """One training step: loss, lr, norm, throughput, bubbles and each position's time breakdown (seconds).
 
-        ``parts_by_position`` maps a position to its :func:`~pipeengine.training.breakdown.decompose` parts.
+        ``parts_by_position`` maps a position to its :func:`~pipeengine.training.breakdown.decompose` parts;
+        throughput that is None is not written (the trainer logs it when the step's wall time is known).
         """
         if self._writer is None:
             return
         scalars = {"train/loss": loss, "train/lr": lr, "time/step_s": step_time,
-                   "throughput/samples_per_s": samples_per_s, "pipeline/bubble_measured": measured_bubble,
-                   "pipeline/bubble_theoretical": theoretical_bubble}
+                   "pipeline/bubble_measured": measured_bubble, "pipeline/bubble_theoretical": theoretical_bubble}
+        if samples_per_s is not None:
+            scalars["throughput/samples_per_s"] = samples_per_s
         if grad_norm is not None:
             scalars["train/grad_norm"] = grad_norm
         if tokens_per_s is not None:

@@ -18,46 +18,33 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agree import on_every_rank
-from ..runtime.clock import gather_records
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
 from ..schedule import theoretical_bubble
-from .breakdown import PARTS, decompose, pipeline_bubble, simulated_bubble
 from .checkpoint import AsyncSaver, CheckpointError, check_shared, save
 from .cli import to_toml
 from .config import Config, partition_arg
-from .data import batches
+from .data import batches, split_microbatches, step_loader
 from .distributed import init_distributed
 from .models import ModelSpec, load_model
-from .report import mean, oversubscribed, progress_line, summary_text, write_json
+from .report import oversubscribed, progress_line, summary_text, write_json
+from .reporter import Reporter
+from .resources import flops_per_example, memory_text, peak_tflops, process_age
 from .resume import ResumePoint, pick_checkpoint, resume
 from .stopping import StopRequest
 from .tensorboard import MetricsWriter
-from .timeline import chrome_trace
 
 __all__ = ["Trainer", "run"]
 
 
 @dataclass
-class TimedStep:
-    """A step whose every rank's timings were gathered: its bubble, measured and simulated, and time split."""
-
-    step: int
-    measured_bubble: float
-    simulated_bubble: float
-    parts: dict[str, float]   # share of the step per part (breakdown.PARTS), mean over positions
-
-
-@dataclass
 class RunState:
-    """Where the run stands: every step's loss and time, the timed steps, the last validation loss."""
+    """Where the run stands: every step's loss, the last validation loss, the status."""
 
     start: int
     losses: list[float] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    timed: list[TimedStep] = field(default_factory=list)
     val_loss: float = math.nan
     status: str = "running"
 
@@ -115,6 +102,8 @@ class Trainer:
         self.global_batch = self.topo.dp * cfg.schedule.microbatches * cfg.data.micro_batch_size
         self.warm = max(1, min(5, cfg.optimizer.steps // 20))   # steps left out of the timing figures
         self.timeline_steps = {min(self.state.start + self.warm, cfg.optimizer.steps - 1), cfg.optimizer.steps - 1}
+        self._loader: Any = None   # the data loader's iterator and the step it gives next (_train_data)
+        self._loader_step = -1
 
     def _engine(self, point: ResumePoint | None) -> PipelineEngine:
         cfg, model = self.cfg, self.model
@@ -150,6 +139,13 @@ class Trainer:
         self.run_dir = os.path.join(cfg.logging.dir, name)
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0)
         self.writer.log_text("config", "".join(f"    {line}\n" for line in to_toml(cfg).splitlines()))
+        flops = None
+        if self.rank == 0:   # counted on the meta device: no memory, no compute
+            flops = flops_per_example(self.model.factories, self.model.source.example("train", 0)[0])
+        self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.global_batch,
+                                 tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
+                                 peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
+                                 warm=self.warm, writer=self.writer)
         if self.rank == 0 and not cfg.logging.quiet:
             print(topo.describe())
             if self.engine.plan.choice is not None:
@@ -160,24 +156,46 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _data(self, split: str, step: int) -> Any:
+    def _train_data(self, step: int) -> tuple[Any, float]:
+        """Step ``step``'s microbatches for this replica and the seconds spent waiting for them. Read ahead by
+        a DataLoader (--data-workers) on the ranks that read data; None on the others."""
         if not self.engine.needs_data:
-            return None
-        return iter(batches(self.model.source, split, step, self.cfg.model.seed, self.engine.replica, self.topo.dp,
-                            self.cfg.schedule.microbatches, self.cfg.data.micro_batch_size))
+            return None, 0.0
+        cfg = self.cfg
+        t = time.perf_counter()
+        if self._loader is None or step != self._loader_step:   # the first step, or steps taken out of order
+            self._close_data()
+            cuda = self.device.type == "cuda"
+            workers = cfg.data.workers if cfg.data.workers is not None else (2 if cuda else 0)
+            self._loader = iter(step_loader(self.model.source, cfg.model.seed, self.engine.replica, self.topo.dp,
+                                            self.global_batch, step, cfg.optimizer.steps, workers, pin_memory=cuda))
+        batch = next(self._loader)
+        self._loader_step = step + 1
+        return iter(split_microbatches(batch, cfg.schedule.microbatches)), time.perf_counter() - t
+
+    def _close_data(self) -> None:
+        """Stop the loader's worker processes (if any)."""
+        self._loader, self._loader_step = None, -1
 
     def evaluate(self, step: int) -> float:
         """The validation loss on step ``step``'s validation batch."""
-        return float(self.engine.eval_batch(self._data("val", step)).loss)
+        data = None
+        if self.engine.needs_data:
+            data = iter(batches(self.model.source, "val", step, self.cfg.model.seed, self.engine.replica, self.topo.dp,
+                                self.cfg.schedule.microbatches, self.cfg.data.micro_batch_size))
+        return float(self.engine.eval_batch(data).loss)
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step with its logging (every rank; rank 0 writes)."""
+        """One optimizer step with its logging (every rank; rank 0 writes). ``last_data_s`` and ``last_step_s``
+        say how long it waited for its batch and how long the pipeline step took."""
         cfg, engine = self.cfg, self.engine
         lr = cfg.lr_at(step)
         engine.set_lr(lr)
-        res = engine.train_batch(self._data("train", step))
+        data, self.last_data_s = self._train_data(step)
+        t = time.perf_counter()
+        res = engine.train_batch(data)
+        self.last_step_s = time.perf_counter() - t
         self.state.losses.append(res.loss)
-        self.state.times.append(res.step_time)
         if res.nonfinite and self.rank == 0:
             print(f"step {step}: non-finite loss or gradients, update skipped ({engine.skipped_steps} so far)",
                   file=sys.stderr)
@@ -186,37 +204,13 @@ class Trainer:
         every = log.timeline_interval
         timeline = step in self.timeline_steps or bool(every and (step + 1) % every == 0)
         wanted = step % log.log_interval == 0 or step == cfg.optimizer.steps - 1 or log.trace_step == step or timeline
-        # replica 0's pipeline stands for every replica (they run the same program): only its ranks send
-        records = (gather_records(res.records, engine.groups.pp_group)
-                   if wanted and engine.replica == 0 else None)   # the same decision on every rank
-        if not wanted and self.rank == 0:
+        if wanted and engine.replica == 0:   # replica 0's pipeline stands for every replica (the same program)
+            self.reporter.timings(step, res, lr, log.trace_step == step, timeline)
+        elif self.rank == 0:
             self.writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
-                                           "throughput/samples_per_s": self.global_batch / res.step_time,
                                            **({"train/grad_norm": res.grad_norm} if res.grad_norm is not None
                                               else {})})
-        if records is not None:   # rank 0: every rank's timings of this step
-            self._report_timed(step, res, lr, records, timeline)
         return res
-
-    def _report_timed(self, step: int, res: StepResult, lr: float, records: dict[int, list[Any]],
-                      timeline: bool) -> None:
-        topo, engine = self.topo, self.engine
-        step_time = max(r.end for rs in records.values() for r in rs)
-        parts = decompose(records, step_time)   # replica 0's ranks, one per position
-        measured = pipeline_bubble(parts)
-        theory = simulated_bubble(engine.schedule, [records.get(topo.rank(p, 0), []) for p in range(topo.pp)])
-        share = {k: sum(p[k] for p in parts.values()) / len(parts) / step_time for k in PARTS}
-        self.state.timed.append(TimedStep(step, measured, theory, share))
-        tokens = self.model.tokens_per_example
-        self.writer.log_step(step, loss=res.loss, lr=lr, grad_norm=res.grad_norm, step_time=step_time,
-                             samples_per_s=self.global_batch / step_time,
-                             tokens_per_s=self.global_batch * tokens / step_time if tokens else None,
-                             parts_by_position={topo.position_of(rk): p for rk, p in parts.items()},
-                             measured_bubble=measured, theoretical_bubble=theory)
-        if timeline:
-            self.writer.log_timeline(step, records)
-        if self.cfg.logging.trace_step == step:
-            chrome_trace(records, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
 
     def save(self, step: int, newline: bool = False) -> None:
         """A checkpoint of the state after ``step`` steps (every rank; in the background with --async-save)."""
@@ -261,22 +255,13 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """The run's figures (the summary block, summary.json, and what run() returns)."""
         cfg, state, nan = self.cfg, self.state, float("nan")
-        steady = sorted(state.times[self.warm:] or state.times or [nan])
-        median = steady[len(steady) // 2]
-        timed = [t for t in state.timed if t.step >= state.start + self.warm] or state.timed
-        tokens = self.model.tokens_per_example
         return {"config": cfg.to_dict(), "pp": self.topo.pp, "dp": self.topo.dp, "status": state.status,
                 "first_step": state.start, "steps_done": state.done, "first_loss": (state.losses or [nan])[0],
-                "final_loss": (state.losses or [nan])[-1], "val_loss": state.val_loss, "median_step_s": median,
+                "final_loss": (state.losses or [nan])[-1], "val_loss": state.val_loss,
                 "losses": state.losses, "skipped_steps": self.engine.skipped_steps,
-                "samples_per_s": self.global_batch / median,
-                "tokens_per_s": self.global_batch * tokens / median if tokens else None,
-                "warmup_steps": self.warm, "timed_steps": [t.step for t in timed],
-                "measured_bubble": mean([t.measured_bubble for t in timed]),
-                "theoretical_bubble": mean([t.simulated_bubble for t in timed]),
+                **self.reporter.figures(state.start),
                 "closed_form_bubble": theoretical_bubble(cfg.schedule.name, self.topo.pp, cfg.schedule.microbatches,
                                                          cfg.schedule.chunks),
-                "step_parts": {k: mean([t.parts[k] for t in timed]) for k in PARTS},
                 "oversubscribed": oversubscribed(self.device)}
 
     def _write_summary(self) -> None:
@@ -319,6 +304,7 @@ class Trainer:
             self.state.status = f"failed: {type(exc).__name__}: {exc}"
             raise
         finally:
+            self._close_data()
             self.stop.restore()
             self.writer.close()
             self._write_summary()
@@ -337,7 +323,8 @@ class Trainer:
         """The steps, then the final evaluation (or the stop a signal asked for); the exit status."""
         cfg, state = self.cfg, self.state
         steps = cfg.optimizer.steps
-        t_start = time.perf_counter()
+        self.reporter.startup_s = process_age()
+        t_end = time.perf_counter()   # the end of the previous step: a step's wall time is all the user waits
         stopped: int | None = None
         for step in range(state.start, steps):
             stopped = self.train_step(step).stop   # a signal on any rank: every rank learns it with this step
@@ -348,11 +335,12 @@ class Trainer:
                 self.save(step + 1, self.is_tty)
             elif self.saver is not None:   # a background save is published as soon as every rank wrote it
                 self._publish_background(self.is_tty, wait=False)
+            t_start, t_end = t_end, time.perf_counter()
+            self.reporter.step_done(step, t_end - t_start, self.last_data_s, self.last_step_s)
             if self.rank == 0 and not cfg.logging.quiet and (
                     self.is_tty or (step + 1) % cfg.logging.log_interval == 0 or step + 1 == steps):
-                elapsed = time.perf_counter() - t_start
-                line = progress_line(step + 1, steps, state.losses[-1], state.val_loss,
-                                     self.global_batch / state.times[-1], (step + 1 - state.start) / elapsed)
+                line = progress_line(step + 1, steps, state.losses[-1], state.val_loss, self.reporter.rates(),
+                                     memory_text(self.reporter.peak_memory()))
                 print(("\r" + line + "\033[K") if self.is_tty else line, end="" if self.is_tty else "\n", flush=True)
             if step % cfg.logging.log_interval == 0:
                 self._write_summary()

@@ -127,6 +127,8 @@ def test_writer_round_trip(tmp_path: Path) -> None:
                        step_time=STEP, samples_per_s=100.0, tokens_per_s=6400.0,
                        parts_by_position=parts, measured_bubble=0.59375, theoretical_bubble=0.5)
         w.log_scalars(3, {"train/loss": -1.0, "custom/x": 7.0})
+        w.log_scalars(3, {"time/wall_s": 1.1, "time/data_s": 0.1, "throughput/tflops_per_rank": 0.5,
+                          "throughput/mfu": 0.4, "memory/position0/rss_mib": 400.0})
         w.log_eval(2, 1.25)
         w.log_timeline(2, R)
     acc = _read_events(tmp_path / "run")
@@ -152,7 +154,7 @@ def test_writer_round_trip(tmp_path: Path) -> None:
     assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "custom_scalars"
     layout = layout_pb2.Layout.FromString(acc.Tensors(tag)[0].tensor_proto.string_val[0])
     charts = {c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category}
-    assert set(charts) == {"Throughput", "Pipeline", "Training"}
+    assert set(charts) == {"Throughput", "Memory", "Pipeline", "Training"}
     bubble = charts["Pipeline"]["bubble: measured vs theoretical"]
     assert bubble == ["pipeline/bubble_measured$", "pipeline/bubble_theoretical$"]
     assert charts["Training"]["loss: train vs val"] == ["train/loss$", "val/loss$"]

@@ -30,7 +30,14 @@ def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
     assert s["measured_bubble"] == 0.0 and s["theoretical_bubble"] == 0.0 and s["status"] == "done"
     assert sum(s["step_parts"].values()) == pytest.approx(1.0, abs=0.02)
     assert s["warmup_steps"] == 1 and s["timed_steps"] == [1, 2, 3, 4, 5]
-    assert "(5 timed steps, the first 1 left out as warm-up)" in out and "step time  compute " in out
+    assert "(5 timed steps, the first 1 left out as warm-up)" in out and " ms per step: data " in out
+    assert list(s["step_parts"]) == ["data", "compute", "bubble", "comm", "overhead", "sync", "other"]
+    # one wall time behind every rate: steps/s x global batch = samples/s, 1 / steps/s = the wall time per step
+    assert s["samples_per_s"] == pytest.approx(s["steps_per_s"] * s["global_batch"], rel=1e-9)
+    assert s["wall_s_per_step"] == pytest.approx(1 / s["steps_per_s"], rel=1e-9)
+    assert s["wall_s_per_step"] >= s["median_step_s"] * 0.5 and s["data_s_per_step"] >= 0
+    assert s["flops_per_sample"] > 0 and s["tflops_per_rank"] > 0 and s["mfu"] is None   # no peak on CPU
+    assert set(s["peak_memory_mib"]) == {"0"} and s["peak_memory_mib"]["0"]["rss"] > 50
     assert "[####" not in out   # --quiet
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"images": 0, "scalars": 0})

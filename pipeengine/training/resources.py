@@ -1,0 +1,91 @@
+"""What a run uses: peak memory per process, the model's FLOPs per example, and the device's peak FLOP/s."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.data import default_collate
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["peak_memory", "memory_text", "flops_per_example", "peak_tflops", "PEAK_TFLOPS", "process_age"]
+
+# Dense peak TFLOP/s per GPU from the vendors' data sheets: (name fragment, bf16/fp16 tensor cores, fp32).
+# The first fragment found in torch.cuda.get_device_name() wins, so the more specific ones come first.
+PEAK_TFLOPS: tuple[tuple[str, float | None, float], ...] = (
+    ("H100 PCIe", 756.0, 51.0), ("H100 NVL", 835.0, 60.0), ("H100", 989.0, 67.0), ("H200", 989.0, 67.0),
+    ("GH200", 989.0, 67.0), ("A100", 312.0, 19.5), ("L40S", 362.0, 91.6), ("L4", 121.0, 30.3),
+    ("V100", None, 15.7),
+)
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak memory in MiB: allocated and reserved by torch on CUDA, resident set (RSS) on CPU."""
+    if device.type == "cuda":
+        return {"allocated": torch.cuda.max_memory_allocated(device) / 2**20,
+                "reserved": torch.cuda.max_memory_reserved(device) / 2**20}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
+    return {"rss": peak / (2**20 if sys.platform == "darwin" else 2**10)}
+
+
+def memory_text(mem: dict[str, float]) -> str:
+    """``412 MiB RSS`` or ``10.2/12.0 GiB allocated/reserved``."""
+    def size(mib: float) -> str:
+        return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
+    if "rss" in mem:
+        return f"{size(mem['rss'])} RSS"
+    return f"{size(mem['allocated'])} allocated, {size(mem['reserved'])} reserved"
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_meta(t) for t in x)
+    return x
+
+
+def flops_per_example(factories: Sequence[Callable[[], torch.nn.Module]], inputs: Any) -> float | None:
+    """Model FLOPs of training on one example: 3 x the forward's (the backward takes two matmuls per forward
+    one), counted by torch.utils.flop_counter on the whole layer list built on the meta device (no memory, no
+    compute; the global RNG is left as it was). Recompute is not counted: this is the model's work, not the
+    engine's. ``inputs``: one example's inputs. None when a layer cannot run on the meta device (the count is
+    a report, never a reason to stop)."""
+    x = _meta(default_collate([inputs, inputs]))   # two: a batch of one is refused by BatchNorm in training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), FlopCounterMode(display=False) as counter:
+            for make in factories:
+                x = make()(x)
+    except Exception:   # noqa: BLE001 - whatever a user's layer raises on meta tensors
+        return None
+    total = counter.get_total_flops()
+    return 3.0 * total / 2 if total else None
+
+
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak TFLOP/s for ``precision`` from :data:`PEAK_TFLOPS`; None on CPU or when unknown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, half, single in PEAK_TFLOPS:
+        if fragment in name:
+            return single if precision == "fp32" else half
+    return None
+
+
+_IMPORTED = time.monotonic()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere: since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as fh:
+            started = int(fh.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as fh:
+            return max(0.0, float(fh.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
