@@ -13,10 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..runtime.options import (ON_NONFINITE, PRECISIONS, WIRE_MODES, check_grad_clip, check_timeout,
-                               parse_recompute)
+from ..runtime.options import ON_NONFINITE, PRECISIONS, WIRE_MODES
 from ..runtime.topology import Topology
 from ..schedule.builders import SCHEDULES
+from . import checks
+from .batch import Batch, split_global_batch
+from .checks import Check, at_least, finite
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "ParallelConfig", "ScheduleConfig", "OptimizerConfig",
            "PrecisionConfig", "RecomputeConfig", "SavingConfig", "FaultsConfig", "LoggingConfig", "Setting",
@@ -24,7 +26,6 @@ __all__ = ["Config", "ModelConfig", "DataConfig", "ParallelConfig", "ScheduleCon
 
 MODELS = ("gpt", "resnet", "mlp")
 TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "forward")
-Check = Callable[[str, Any], Any]   # (the setting's name as the user knows it, value) -> value, or ValueError
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, short: str | None = None,
@@ -36,67 +37,6 @@ def setting(default: Any, help: str, *, flag: str | None = None, short: str | No
     return field(default=default, metadata=meta)
 
 
-# ------------------------------------------------------------------ checks of one value
-
-def at_least(low: int, what: str | None = None) -> Check:
-    """A whole number >= ``low`` (``what`` says it in words: "a positive number of examples")."""
-    def check(name: str, value: Any) -> Any:
-        if value is not None and value < low:
-            raise ValueError(f"{name} must be {what or f'>= {low}'} (got {value})")
-        return value
-    return check
-
-
-def finite(low: float = -math.inf, *, above: bool = False, what: str = "number") -> Check:
-    """A finite number >= ``low`` (> ``low`` with ``above``)."""
-    def check(name: str, value: Any) -> Any:
-        if value is None:
-            return value
-        if not math.isfinite(value) or (value <= low if above else value < low):
-            wanted = (f"a positive {what}" if above and low == 0 else
-                      f"a finite {what} {'>' if above else '>='} {low:g}")
-            raise ValueError(f"{name} must be {wanted} (got {value:g})")
-        return value
-    return check
-
-
-def _seed(name: str, value: Any) -> Any:
-    if not 0 <= value < 2**63:
-        raise ValueError(f"{name} must be a whole number from 0 to 2**63 - 1 (got {value})")
-    return value
-
-
-def _grad_clip(name: str, value: Any) -> Any:
-    if value is not None and math.isfinite(value) and value <= 0:
-        return None   # "<= 0: off"
-    return check_grad_clip(name, value)
-
-
-def _recompute(name: str, value: Any) -> Any:
-    parse_recompute(value, name)
-    return value
-
-
-def _timeout(name: str, value: Any) -> Any:
-    return check_timeout(name, value)
-
-
-def _partition(name: str, value: Any) -> Any:
-    partition_arg(value, name)
-    return value
-
-
-def partition_arg(value: str, name: str = "--partition") -> str | list[int]:
-    """``--partition`` for the engine: a method name, or explicit stage bounds."""
-    if value in ("profile", "parameters", "uniform"):
-        return value
-    try:
-        return [int(b) for b in value.split(",")]
-    except ValueError:
-        raise ValueError(f"{name} must be profile, parameters, uniform or stage bounds like 0,3,6,10 (got "
-                         f"{value!r})") from None
-
-
 # ------------------------------------------------------------------ the sections
 
 @dataclass
@@ -106,7 +46,7 @@ class ModelConfig:
     name: str = setting("gpt", "model to train (models/, installed as pipeengine.models)", flag="--model",
                         choices=MODELS)
     preset: str = setting("tiny", "the model's named size")
-    seed: int = setting(1234, "seed of the weights and the data order", check=_seed)
+    seed: int = setting(1234, "seed of the weights and the data order", check=checks.seed)
 
 
 @dataclass
@@ -115,9 +55,11 @@ class DataConfig:
 
     path: str | None = setting(None, "gpt: a text file or folder; resnet: an ImageFolder root (None: a byte "
                                      "corpus / FakeData made locally)", flag="--data")
-    micro_batch_size: int = setting(4, "examples per microbatch", short="-b", check=at_least(1))
-    global_batch: int | None = setting(None, "examples per optimizer step over all replicas (sets "
-                                             "--micro-batch-size)", check=at_least(1, "a positive number of examples"))
+    global_batch: int | None = setting(None, "examples per optimizer step over all replicas, whatever pp x dp (None: "
+                                             "32, or dp x -m x -b when both are given; a resumed run keeps its "
+                                             "checkpoint's)", check=at_least(1, "a positive number of examples"))
+    micro_batch_size: int | None = setting(None, "examples per microbatch (None: what the global batch and "
+                                                 "--microbatches leave)", short="-b", check=at_least(1))
     workers: int | None = setting(None, "processes reading ahead on each rank that reads data (torch.utils.data."
                                         "DataLoader workers; 0: read in the training process; None: 2 on CUDA, 0 "
                                         "on CPU, where workers would take the ranks' cores)", flag="--data-workers",
@@ -144,12 +86,13 @@ class ScheduleConfig:
 
     name: str = setting("1f1b", "the pipeline schedule", flag="--schedule", choices=TRAINING_SCHEDULES)
     chunks: int = setting(0, "stages per position (0: 2 for interleaved-1f1b, else 1)", check=at_least(0))
-    microbatches: int = setting(4, "microbatches per step per replica", short="-m", check=at_least(1))
+    microbatches: int | None = setting(None, "microbatches per step per replica (None: 4 when the global batch "
+                                             "allows, or what it and -b leave)", short="-m", check=at_least(1))
     partition: str = setting("profile", "stage bounds: profile (time every layer's F, B and W on the first "
                                         "microbatch, in parallel over the ranks, and take the split whose simulated "
                                         "step is shortest; printed at start), parameters (balance parameter counts), "
                                         "uniform (layer counts), or explicit bounds 0,b1,...,L",
-                             check=_partition, metavar="profile|parameters|uniform|B0,B1,...")
+                             check=checks.partition, metavar="profile|parameters|uniform|B0,B1,...")
     memory_cap: float | None = setting(None, "with --partition profile: leave out splits whose estimated peak memory "
                                              "at a position (4 x its parameters + its activations in flight) exceeds "
                                              "this", check=finite(0, above=True, what="number of GiB"), metavar="GiB")
@@ -165,7 +108,7 @@ class OptimizerConfig:
     min_lr: float = setting(3e-4, "final learning rate of the cosine decay", check=finite(0))
     warmup: int = setting(5, "linear warmup steps", check=at_least(0))
     weight_decay: float = setting(0.0, "weight decay", check=finite(0))
-    grad_clip: float | None = setting(1.0, "global grad-norm clip (<= 0: off)", check=_grad_clip)
+    grad_clip: float | None = setting(1.0, "global grad-norm clip (<= 0: off)", check=checks.grad_clip)
 
 
 @dataclass
@@ -183,7 +126,7 @@ class RecomputeConfig:
 
     policy: str = setting("none", "recompute a stage's layers in B instead of keeping their activations: none, "
                                   "full (the whole stage) or every:K (every K layers); --checkpoint is its old name",
-                          flag="--recompute", aliases=("--checkpoint",), check=_recompute,
+                          flag="--recompute", aliases=("--checkpoint",), check=checks.recompute,
                           metavar="none|full|every:K")
 
 
@@ -204,7 +147,7 @@ class SavingConfig:
                                    "checkpoint", flag="--save-on-exit")
     exit_budget: float = setting(25.0, "seconds a save on SIGTERM may take (torchrun kills the workers 30 s after "
                                        "its SIGTERM): when the last save took longer, the exit save is skipped and "
-                                       "the run says so", flag="--exit-save-budget", check=_timeout, metavar="S")
+                                       "the run says so", flag="--exit-save-budget", check=checks.timeout, metavar="S")
     background: bool = setting(False, "write checkpoints in the background (torch.distributed.checkpoint."
                                       "async_save): a save costs the step a copy of the state to host memory (and the "
                                       "previous save's end, if it is still writing); it becomes visible at the next "
@@ -217,12 +160,12 @@ class FaultsConfig:
 
     timeout: float | None = setting(None, "seconds a wait may take before every rank's wait is reported and the job "
                                           "ends (None: 600 until the first step, then max(60, 20 x the median step))",
-                                    check=_timeout)
+                                    check=checks.timeout)
     on_nonfinite: str = setting("stop", "a NaN/inf loss or gradient: stop and name the stage, or skip the update",
                                 choices=ON_NONFINITE)
     collective_timeout: float = setting(1800.0, "seconds one collective may take before the process group gives up "
                                                 "(long: a checkpoint write is a legitimate slow collective); hangs "
-                                                "are found and explained by --timeout", check=_timeout)
+                                                "are found and explained by --timeout", check=checks.timeout)
 
 
 @dataclass
@@ -283,13 +226,26 @@ class Config:
         if log.log_interval == 0:
             log.log_interval = max(1, opt.steps // 50)
         topo = self._topology(world_size)
-        if self.data.global_batch is not None:
-            per_step = topo.dp * sch.microbatches
-            if self.data.global_batch % per_step:
-                raise ValueError(f"--global-batch {self.data.global_batch} is not divisible by dp={topo.dp} x "
-                                 f"microbatches={sch.microbatches} = {per_step}; use a multiple of {per_step}")
-            self.data.micro_batch_size = self.data.global_batch // per_step
+        self.set_batch(split_global_batch(topo.dp, *self.given_batch()))
         return topo
+
+    def given_batch(self) -> tuple[int | None, int | None, int | None]:
+        """(global batch, microbatches, micro-batch size) as the user gave them (None: not given), before
+        :meth:`resolve` filled them in."""
+        # kept outside the dataclass fields: a record of the input, not a setting
+        given = (self.data.global_batch, self.schedule.microbatches, self.data.micro_batch_size)
+        return self.__dict__.setdefault("_given_batch", given)  # type: ignore[no-any-return]
+
+    @property
+    def batch(self) -> Batch:
+        """The global batch and its split, once :meth:`resolve` filled them in."""
+        size, m, micro = self.data.global_batch, self.schedule.microbatches, self.data.micro_batch_size
+        if size is None or m is None or micro is None:
+            raise RuntimeError("Config.batch is known after Config.resolve()")
+        return Batch(size, m, micro)
+
+    def set_batch(self, batch: Batch) -> None:
+        self.data.global_batch, self.schedule.microbatches, self.data.micro_batch_size = batch
 
     def _topology(self, world_size: int) -> Topology:
         pp, dp = self.parallel.pp, self.parallel.dp

@@ -11,6 +11,7 @@ from ..runtime.agree import decided_by_rank0
 from ..runtime.topology import Topology
 from ..schedule import Costs
 from .checkpoint import CheckpointError, latest, load, manifest, resolve
+from .batch import Batch, resume_batch
 from .config import Config, flat_config
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class ResumePoint:
     path: str
     bounds: list[int] | None = None   # its stage bounds, when they fit this run (same pp, chunks and layers)
     costs: Costs | None = None        # the costs its schedule was lowered with (same schedule)
+    batch: Batch | None = None        # the global batch to train on (the checkpoint's, unless --global-batch)
 
 
 def pick_checkpoint(cfg: Config, topo: Topology, num_layers: int) -> ResumePoint | None:
@@ -75,28 +77,44 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
         return None
     path = resolve(path)
     info = manifest(path)
-    _note_changes(cfg, topo, info)
+    _note_changes(cfg, info)
+    batch = _keep_batch(cfg, topo, info)
     same = (info.get("pp") == topo.pp and info.get("chunks") == cfg.schedule.chunks
             and info.get("num_layers") == num_layers and isinstance(info.get("bounds"), list))
     if not same:
-        return ResumePoint(path)
+        return ResumePoint(path, batch=batch)
     costs = info.get("schedule_costs") if info.get("schedule") == cfg.schedule.name else None
-    return ResumePoint(path, list(info["bounds"]), Costs(*costs) if costs else None)
+    return ResumePoint(path, list(info["bounds"]), Costs(*costs) if costs else None, batch)
 
 
-def _note_changes(cfg: Config, topo: Topology, info: dict[str, Any]) -> None:
+def _saved_batch(info: dict[str, Any]) -> Batch | None:
+    """The global batch the checkpoint was trained on (its manifest's dp and config), if it says."""
+    try:
+        saved = flat_config(info["config"])
+        m, micro = int(saved["microbatches"]), int(saved["micro_batch_size"])
+        return Batch(int(info["dp"]) * m * micro, m, micro)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _keep_batch(cfg: Config, topo: Topology, info: dict[str, Any]) -> Batch | None:
+    """The batch the resumed run trains on: the checkpoint's global batch, split for this layout (one line
+    says so when the split changed), unless --global-batch asks for another."""
+    saved = _saved_batch(info)
+    if saved is None:
+        return None
+    batch, note = resume_batch(topo.dp, saved, *cfg.given_batch())
+    if note:
+        print(note)
+    return batch
+
+
+def _note_changes(cfg: Config, info: dict[str, Any]) -> None:
     """Say which settings that change the run differ from the checkpoint's (a run may mean to change them)."""
     if not isinstance(info.get("config"), dict):
         return
     saved, now = flat_config(info["config"]), cfg.flat()
     changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in TRAJECTORY if k in saved and saved[k] != now[k]]
-    try:   # the data follow the global batch, however it is split over replicas and microbatches
-        before = int(info["dp"]) * int(saved["microbatches"]) * int(saved["micro_batch_size"])
-        after = topo.dp * cfg.schedule.microbatches * cfg.data.micro_batch_size
-        if before != after:
-            changed.append(f"global batch {before} -> {after}")
-    except (KeyError, TypeError, ValueError):
-        pass
     if changed:
         print(f"note: resuming with settings that differ from the checkpoint's ({'; '.join(changed)}): "
               f"the run continues, but not as the saved one would have")

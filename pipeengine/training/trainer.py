@@ -25,7 +25,8 @@ from ..runtime.topology import Topology
 from ..schedule import theoretical_bubble
 from .checkpoint import AsyncSaver, CheckpointError, check_shared, save
 from .cli import to_toml
-from .config import Config, partition_arg
+from .checks import partition_arg
+from .config import Config
 from .data import batches, split_microbatches, step_loader
 from .distributed import init_distributed
 from .models import ModelSpec, load_model
@@ -97,9 +98,11 @@ class Trainer:
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
             check_shared(cfg.saving.dir)   # checkpoints need one folder every node sees
         point = pick_checkpoint(cfg, self.topo, len(self.model.factories))
+        if point is not None and point.batch is not None:   # the checkpoint's global batch, kept
+            cfg.set_batch(point.batch)
+        self.batch = cfg.batch
         self.engine = self._engine(point)
         self.state = RunState(start=resume(cfg, self.engine, point))
-        self.global_batch = self.topo.dp * cfg.schedule.microbatches * cfg.data.micro_batch_size
         self.warm = max(1, min(5, cfg.optimizer.steps // 20))   # steps left out of the timing figures
         self.timeline_steps = {min(self.state.start + self.warm, cfg.optimizer.steps - 1), cfg.optimizer.steps - 1}
         self._loader: Any = None   # the data loader's iterator and the step it gives next (_train_data)
@@ -121,12 +124,12 @@ class Trainer:
             partition, costs = point.bounds, point.costs
         sample = None
         if partition == "profile":   # time the layers on the run's first microbatch
-            sample = batches(model.source, "train", 0, cfg.model.seed, 0, self.topo.dp, cfg.schedule.microbatches,
-                             cfg.data.micro_batch_size)[0]
+            sample = batches(model.source, "train", 0, cfg.model.seed, 0, self.topo.dp, self.batch.microbatches,
+                             self.batch.micro)[0]
         cap = cfg.schedule.memory_cap
         return PipelineEngine(
             model.factories, model.module.loss_fn, make_opt, topology=self.topo, schedule=cfg.schedule.name,
-            microbatches=cfg.schedule.microbatches, chunks=cfg.schedule.chunks, seed=cfg.model.seed,
+            microbatches=self.batch.microbatches, chunks=cfg.schedule.chunks, seed=cfg.model.seed,
             tied=model.module.tied_parameters(len(model.factories)), device=self.device, timeout=cfg.faults.timeout,
             grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
             on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
@@ -142,7 +145,7 @@ class Trainer:
         flops = None
         if self.rank == 0:   # counted on the meta device: no memory, no compute
             flops = flops_per_example(self.model.factories, self.model.source.example("train", 0)[0])
-        self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.global_batch,
+        self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.batch.size,
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
                                  warm=self.warm, writer=self.writer)
@@ -151,8 +154,8 @@ class Trainer:
             if self.engine.plan.choice is not None:
                 print(self.engine.plan.choice.describe(self.engine.schedule.name))
             print(f"model {cfg.model.name}/{cfg.model.preset}: {self.engine.num_layers} layers, stage bounds "
-                  f"{self.engine.bounds}; schedule {cfg.schedule.name}, {cfg.schedule.microbatches} microbatches x "
-                  f"{cfg.data.micro_batch_size} per replica, global batch {self.global_batch}; logs in {self.run_dir}")
+                  f"{self.engine.bounds}; schedule {cfg.schedule.name}, {self.batch.microbatches} microbatches x "
+                  f"{self.batch.micro} per replica, global batch {self.batch.size}; logs in {self.run_dir}")
 
     # ------------------------------------------------------------------ steps
 
@@ -168,10 +171,10 @@ class Trainer:
             cuda = self.device.type == "cuda"
             workers = cfg.data.workers if cfg.data.workers is not None else (2 if cuda else 0)
             self._loader = iter(step_loader(self.model.source, cfg.model.seed, self.engine.replica, self.topo.dp,
-                                            self.global_batch, step, cfg.optimizer.steps, workers, pin_memory=cuda))
+                                            self.batch.size, step, cfg.optimizer.steps, workers, pin_memory=cuda))
         batch = next(self._loader)
         self._loader_step = step + 1
-        return iter(split_microbatches(batch, cfg.schedule.microbatches)), time.perf_counter() - t
+        return iter(split_microbatches(batch, self.batch.microbatches)), time.perf_counter() - t
 
     def _close_data(self) -> None:
         """Stop the loader's worker processes (if any)."""
@@ -182,7 +185,7 @@ class Trainer:
         data = None
         if self.engine.needs_data:
             data = iter(batches(self.model.source, "val", step, self.cfg.model.seed, self.engine.replica, self.topo.dp,
-                                self.cfg.schedule.microbatches, self.cfg.data.micro_batch_size))
+                                self.batch.microbatches, self.batch.micro))
         return float(self.engine.eval_batch(data).loss)
 
     def train_step(self, step: int) -> StepResult:
@@ -260,7 +263,7 @@ class Trainer:
                 "final_loss": (state.losses or [nan])[-1], "val_loss": state.val_loss,
                 "losses": state.losses, "skipped_steps": self.engine.skipped_steps,
                 **self.reporter.figures(state.start),
-                "closed_form_bubble": theoretical_bubble(cfg.schedule.name, self.topo.pp, cfg.schedule.microbatches,
+                "closed_form_bubble": theoretical_bubble(cfg.schedule.name, self.topo.pp, self.batch.microbatches,
                                                          cfg.schedule.chunks),
                 "oversubscribed": oversubscribed(self.device)}
 

@@ -339,7 +339,8 @@ def test_a_config_file_written_before_sections_loads() -> None:
     cfg = parse_args(["--config", str(ASSETS / "config-v0.toml")])
     assert (cfg.model.name, cfg.optimizer.steps, cfg.recompute.policy, cfg.data.micro_batch_size) == \
         ("mlp", 7, "full", 2)
-    assert cfg == parse_args(["--model", "mlp", "--steps", "7", "--recompute", "full", "-b", "2"])
+    # the file gives microbatches = 4, the default it was written with (now -m has no fixed default)
+    assert cfg == parse_args(["--model", "mlp", "--steps", "7", "--recompute", "full", "-b", "2", "-m", "4"])
 
 
 # ------------------------------------------------------------------ many nodes
@@ -391,3 +392,43 @@ def test_the_save_on_sigterm_is_bounded_and_says_so(capsys: pytest.CaptureFixtur
     t.last_save_s = 41.0
     t._exit_save(8, signals.SIGINT)   # Ctrl-C: no launcher's deadline follows
     assert saved == [7, 8]
+
+
+# ------------------------------------------------------------------ the global batch under another layout
+
+def _layout_runs(rank: int, world: int, runs: list[list[str]], tmp: str) -> list[dict[str, Any]]:
+    import contextlib
+    import io
+    torch.set_num_threads(1)
+    out = []
+    for i, flags in enumerate(runs):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            s = run(parse_args(["--model", "gpt", "--preset", "tiny", "--eval-interval", "0", "--partition", "uniform",
+                                "--log-dir", os.path.join(tmp, "runs"), "--run-name", f"w{world}r{i}", "--quiet",
+                                *flags]))
+        out.append({"losses": s["losses"], "first_step": s["first_step"], "batch": s["global_batch"],
+                    "text": text.getvalue()})
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_resuming_under_another_layout_keeps_the_global_batch(tmp_path: Path, world2: WorldPool,
+                                                               world4: WorldPool) -> None:
+    """The same command (no batch flags) resumed from pp 2 x dp 1 as pp 1 x dp 2 and as pp 4 x dp 1 trains on
+    the saved global batch (more or fewer microbatches per replica) and continues the uninterrupted run."""
+    saves = str(tmp_path / "saves")
+    step3 = os.path.join(saves, "step-00000003")
+    straight, resumed_dp2 = world2.run(_layout_runs, [
+        ["--pp", "2", "--steps", "6", "--save-interval", "3", "--save-dir", saves],   # pp 2 x dp 1, saved at 3
+        ["--pp", "1", "--steps", "6", "--resume", step3],                             # pp 1 x dp 2
+    ], str(tmp_path), timeout=280)[0]
+    resumed_pp4 = world4.run(_layout_runs, [["--pp", "4", "--steps", "6", "--resume", step3]], str(tmp_path),
+                             timeout=280)[0][0]
+    assert straight["batch"] == 32 and "global batch 32" in straight["text"]
+    for resumed in (resumed_dp2, resumed_pp4):
+        assert resumed["first_step"] == 3 and resumed["batch"] == 32
+        torch.testing.assert_close(resumed["losses"], straight["losses"][3:], rtol=1e-5, atol=0)
+    assert "resuming with the checkpoint's global batch 32 = dp 2 x 2 microbatches x 8 (it was 4 x 8 per " \
+           "replica)" in resumed_dp2["text"]
+    assert "global batch" not in resumed_pp4["text"].split("resumed from")[0]   # 4 x 8 at dp 1 still: no note

@@ -35,7 +35,15 @@ def problem(flags: list[str], world: int, capsys: pytest.CaptureFixture[str]) ->
     (["--pp", "2", "--dp", "3"], 4, r"pp=2 x dp=3 = 6 ranks, but the world has 4"),
     (["--microbatches", "0"], 1, r"--microbatches must be >= 1 \(got 0\)"),
     (["--global-batch", "30", "--microbatches", "4", "--pp", "2"], 4,
-     r"--global-batch 30 is not divisible by dp=2 x microbatches=4 = 8; use a multiple of 8"),
+     r"--global-batch 30 does not split into dp 2 x --microbatches 4 equal microbatches; pass --global-batch as "
+     r"a multiple of 8, or another --microbatches"),
+    (["--global-batch", "16", "-b", "3"], 1, r"--global-batch 16 does not split into dp 1 x microbatches of "
+                                             r"--micro-batch-size 3; pass --global-batch as a multiple of 3"),
+    (["--global-batch", "16", "-b", "3", "-m", "4"], 1,
+     r"--global-batch 16 is not dp 1 x --microbatches 4 x --micro-batch-size 3 = 12; give two of the three"),
+    (["-m", "3", "--pp", "1"], 2,
+     r"the global batch \(32 by default\) does not split into dp 2 x --microbatches 3 equal microbatches; pass "
+     r"--global-batch as a multiple of 6"),
     (["--schedule", "forward"], 1, r"--schedule 'forward' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
     (["--checkpoint", "some"], 1, r"--recompute must be 'none', 'full' or 'every:K'"),
     (["--recompute", "every:0"], 1, r"every:K' with K >= 1 layers per region \(got 'every:0'\)"),
@@ -84,10 +92,12 @@ def test_help_lists_every_default_and_every_preset_without_importing_torch() -> 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
     assert out.strip().endswith("TORCH False"), out[-300:]
     text = " ".join(out[out.index("options:"):].split())   # argparse wraps lines
-    for flag, default in [("--lr", "0.003"), ("--warmup", "5"), ("--microbatches", "4"), ("--seed", "1234"),
+    for flag, default in [("--lr", "0.003"), ("--warmup", "5"), ("--microbatches", "None"),
+                          ("--global-batch", "None"), ("--seed", "1234"),
                           ("--grad-clip", "1.0"), ("--steps", "50"), ("--keep", "3"), ("--on-nonfinite", "stop")]:
         after = text[text.index(f"{flag} "):]
         assert f"(default: {default})" in after[:400], flag
+    assert "--global-batch INT examples per optimizer step over all replicas, whatever pp x dp (None: 32" in text
     assert ("gpt: tiny, small, gpt2-124m; resnet: tiny, resnet18, resnet18-gn, resnet50, resnet50-imagenet; mlp: "
             "tiny, small, large") in text
 
@@ -98,7 +108,8 @@ def test_the_engine_and_the_command_line_check_with_the_same_functions() -> None
     from pipeengine.runtime import options
     from pipeengine.training import config
     assert config.PRECISIONS is options.PRECISIONS and config.WIRE_MODES is options.WIRE_MODES
-    assert config.check_timeout is options.check_timeout and config.parse_recompute is options.parse_recompute
+    from pipeengine.training import checks
+    assert checks.check_timeout is options.check_timeout and checks.parse_recompute is options.parse_recompute
     code = "import sys, pipeengine.training.config, pipeengine.runtime.options; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout.strip() == \
         "False"

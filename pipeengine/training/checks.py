@@ -1,0 +1,72 @@
+"""Checks of one setting's value (torch-free): each takes the setting's name as the user knows it (the flag)
+and the value, and returns the value or raises a ValueError that names both."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ..runtime.options import check_grad_clip, check_timeout, parse_recompute
+
+__all__ = ["Check", "at_least", "finite", "seed", "grad_clip", "recompute", "timeout", "partition", "partition_arg"]
+
+Check = Callable[[str, Any], Any]   # (the setting's name as the user knows it, value) -> value, or ValueError
+
+
+def at_least(low: int, what: str | None = None) -> Check:
+    """A whole number >= ``low`` (``what`` says it in words: "a positive number of examples")."""
+    def check(name: str, value: Any) -> Any:
+        if value is not None and value < low:
+            raise ValueError(f"{name} must be {what or f'>= {low}'} (got {value})")
+        return value
+    return check
+
+
+def finite(low: float = -math.inf, *, above: bool = False, what: str = "number") -> Check:
+    """A finite number >= ``low`` (> ``low`` with ``above``)."""
+    def check(name: str, value: Any) -> Any:
+        if value is None:
+            return value
+        if not math.isfinite(value) or (value <= low if above else value < low):
+            wanted = (f"a positive {what}" if above and low == 0 else
+                      f"a finite {what} {'>' if above else '>='} {low:g}")
+            raise ValueError(f"{name} must be {wanted} (got {value:g})")
+        return value
+    return check
+
+
+def seed(name: str, value: Any) -> Any:
+    if not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be a whole number from 0 to 2**63 - 1 (got {value})")
+    return value
+
+
+def grad_clip(name: str, value: Any) -> Any:
+    if value is not None and math.isfinite(value) and value <= 0:
+        return None   # "<= 0: off"
+    return check_grad_clip(name, value)
+
+
+def recompute(name: str, value: Any) -> Any:
+    parse_recompute(value, name)
+    return value
+
+
+def timeout(name: str, value: Any) -> Any:
+    return check_timeout(name, value)
+
+
+def partition(name: str, value: Any) -> Any:
+    partition_arg(value, name)
+    return value
+
+
+def partition_arg(value: str, name: str = "--partition") -> str | list[int]:
+    """``--partition`` for the engine: a method name, or explicit stage bounds."""
+    if value in ("profile", "parameters", "uniform"):
+        return value
+    try:
+        return [int(b) for b in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be profile, parameters, uniform or stage bounds like 0,3,6,10 (got "
+                         f"{value!r})") from None
