@@ -414,7 +414,7 @@ def _layout_runs(rank: int, world: int, runs: list[list[str]], tmp: str) -> list
 
 @pytest.mark.timeout(300)
 def test_resuming_under_another_layout_keeps_the_global_batch(tmp_path: Path, world2: WorldPool,
-                                                               world4: WorldPool) -> None:
+                                                              world4: WorldPool) -> None:
     """The same command (no batch flags) resumed from pp 2 x dp 1 as pp 1 x dp 2 and as pp 4 x dp 1 trains on
     the saved global batch (more or fewer microbatches per replica) and continues the uninterrupted run."""
     saves = str(tmp_path / "saves")
