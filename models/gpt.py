@@ -11,10 +11,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pipeengine.training.models import Model, pick_preset
+
 from .data import ByteCorpus
 from .presets import PRESETS
 
-__all__ = ["Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
+__all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
 
 
 @dataclass
@@ -132,3 +134,11 @@ def make_source(cfg: Config, data_path: str | None) -> ByteCorpus:
     if cfg.vocab_size < 256:
         raise ValueError(f"the byte corpus needs vocab_size >= 256 (got {cfg.vocab_size})")
     return ByteCorpus(data_path, block_size=cfg.block_size)
+
+
+def model(preset: str | None = None, data: str | None = None) -> Model:
+    """The trainer's protocol (``--model gpt``, see pipeengine/training/models.py): preset ``tiny`` by default."""
+    cfg = pick_preset("gpt", presets(), preset, "tiny")
+    layers = layer_factories(cfg)
+    return Model(layers, loss_fn, make_source(cfg, data), tied_parameters(len(layers)),
+                 tokens_per_example=cfg.block_size, preset=preset or "tiny")

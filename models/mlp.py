@@ -9,10 +9,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pipeengine.training.models import Model, pick_preset
+
 from .data import SyntheticRegression
 from .presets import PRESETS
 
-__all__ = ["Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
+__all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
 
 
 @dataclass
@@ -66,3 +68,11 @@ def make_source(cfg: Config, data_path: str | None) -> SyntheticRegression:
     if data_path is not None:
         raise ValueError("the mlp trains on synthetic data; --data is for gpt (text) and resnet (images)")
     return SyntheticRegression(cfg.in_dim, cfg.out_dim)
+
+
+def model(preset: str | None = None, data: str | None = None) -> Model:
+    """The trainer's protocol (``--model mlp``, see pipeengine/training/models.py): preset ``tiny`` by default."""
+    cfg = pick_preset("mlp", presets(), preset, "tiny")
+    layers = layer_factories(cfg)
+    return Model(layers, loss_fn, make_source(cfg, data), tied_parameters(len(layers)),
+                 tokens_per_example=None, preset=preset or "tiny")

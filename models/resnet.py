@@ -15,10 +15,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from pipeengine.training.models import Model, pick_preset
+
 from .data import ImageSource
 from .presets import PRESETS
 
-__all__ = ["Config", "presets", "layer_factories", "build", "flatten", "loss_fn", "tied_parameters", "make_source"]
+__all__ = ["model", "Config", "presets", "layer_factories", "build", "flatten", "loss_fn", "tied_parameters",
+           "make_source"]
 
 
 @dataclass
@@ -103,3 +106,11 @@ def tied_parameters(num_layers: int) -> list[list[tuple[int, str]]]:
 
 def make_source(cfg: Config, data_path: str | None) -> ImageSource:
     return ImageSource(data_path, cfg.image_size, cfg.num_classes)
+
+
+def model(preset: str | None = None, data: str | None = None) -> Model:
+    """The trainer's protocol (``--model resnet``, see pipeengine/training/models.py): preset ``tiny`` by default."""
+    cfg = pick_preset("resnet", presets(), preset, "tiny")
+    layers = layer_factories(cfg)
+    return Model(layers, loss_fn, make_source(cfg, data), tied_parameters(len(layers)),
+                 tokens_per_example=None, preset=preset or "tiny")

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 __all__ = ["PipelineEngine", "Topology", "Plan", "make_plan", "build_schedule", "compile_schedule", "simulate",
-           "Costs"]
+           "Costs", "Model", "save_checkpoint", "load_checkpoint", "export_checkpoint"]
 
 # The example models live in the top-level models/ folder and install as pipeengine.models
 # (setup.cfg maps the package there); run from a source tree, find them beside this package.
@@ -23,10 +23,13 @@ if not os.path.isdir(os.path.join(_here, "models")) and os.path.isfile(os.path.j
 # Names load on first use, so that the schedule tools and ``--help`` stay torch-free.
 _LAZY = {"PipelineEngine": "runtime.engine", "Topology": "runtime.topology", "Plan": "runtime.plan",
          "make_plan": "runtime.plan", "build_schedule": "schedule", "compile_schedule": "schedule",
-         "simulate": "schedule", "Costs": "schedule"}
+         "simulate": "schedule", "Costs": "schedule", "Model": "training.models",
+         "save_checkpoint": "training.checkpoint:save", "load_checkpoint": "training.checkpoint:load",
+         "export_checkpoint": "training.export:export"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module, _, attr = _LAZY[name].partition(":")
+        return getattr(importlib.import_module(f".{module}", __name__), attr or name)
     raise AttributeError(f"module 'pipeengine' has no attribute {name!r}")

@@ -90,8 +90,10 @@ def _parser() -> argparse.ArgumentParser:
         "profile a model", "with --profile MODEL: time every layer of an example model on this machine (one "
         "process), then print the measured costs and, for every schedule, the bounds the profile partition "
         "picks, the simulated step and the peak memory, to choose a schedule before launching")
-    prof.add_argument("--profile", metavar="MODEL", choices=("gpt", "resnet", "mlp"), help="gpt, resnet or mlp")
-    prof.add_argument("--preset", default="tiny", help="the model's named size (default tiny)")
+    prof.add_argument("--profile", metavar="MODEL", help="gpt, resnet, mlp or package.module:function (as the "
+                      "trainer's --model)")
+    prof.add_argument("--preset", default=None, help="the model's named size (default: the model's, tiny for the "
+                      "built-ins)")
     prof.add_argument("--micro-batch-size", type=_count, default=4, help="examples per microbatch (default 4)")
     prof.add_argument("--memory-cap", type=_cost, metavar="GiB", help="per-position memory the split must fit")
     return parser

@@ -4,12 +4,15 @@ and the value, and returns the value or raises a ValueError that names both."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable
 
 from ..runtime.options import check_grad_clip, check_timeout, parse_recompute
 
-__all__ = ["Check", "at_least", "finite", "seed", "grad_clip", "recompute", "timeout", "partition", "partition_arg"]
+__all__ = ["BUILTIN_MODELS", "model_spec", "Check", "at_least", "finite", "seed", "grad_clip", "recompute", "timeout",
+           "partition", "partition_arg"]
 
+BUILTIN_MODELS = ("gpt", "resnet", "mlp")
 Check = Callable[[str, Any], Any]   # (the setting's name as the user knows it, value) -> value, or ValueError
 
 
@@ -70,3 +73,11 @@ def partition_arg(value: str, name: str = "--partition") -> str | list[int]:
     except ValueError:
         raise ValueError(f"{name} must be profile, parameters, uniform or stage bounds like 0,3,6,10 (got "
                          f"{value!r})") from None
+
+
+def model_spec(name: str, value: Any) -> Any:
+    """A built-in model's name, or ``package.module:function``."""
+    if value in BUILTIN_MODELS or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", str(value)):
+        return value
+    raise ValueError(f"{name} {value!r} is not {', '.join(BUILTIN_MODELS)} or package.module:function (a function "
+                     f"returning a pipeengine.Model)")

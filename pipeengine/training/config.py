@@ -18,13 +18,13 @@ from ..runtime.topology import Topology
 from ..schedule.builders import SCHEDULES
 from . import checks
 from .batch import Batch, split_global_batch
-from .checks import Check, at_least, finite
+from .checks import BUILTIN_MODELS, Check, at_least, finite
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "ParallelConfig", "ScheduleConfig", "OptimizerConfig",
            "PrecisionConfig", "RecomputeConfig", "SavingConfig", "FaultsConfig", "LoggingConfig", "Setting",
            "settings", "flat_config", "MODELS", "TRAINING_SCHEDULES"]
 
-MODELS = ("gpt", "resnet", "mlp")
+MODELS = BUILTIN_MODELS
 TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "forward")
 
 
@@ -43,9 +43,10 @@ def setting(default: Any, help: str, *, flag: str | None = None, short: str | No
 class ModelConfig:
     """What to train."""
 
-    name: str = setting("gpt", "model to train (models/, installed as pipeengine.models)", flag="--model",
-                        choices=MODELS)
-    preset: str = setting("tiny", "the model's named size")
+    name: str = setting("gpt", "the model: gpt, resnet, mlp (built in) or package.module:function returning a "
+                               "pipeengine.Model (see README: your own model)", flag="--model", check=checks.model_spec,
+                        metavar="NAME|MODULE:FUNCTION")
+    preset: str | None = setting(None, "the model's named size (None: its default, tiny for the built-ins)")
     seed: int = setting(1234, "seed of the weights and the data order", check=checks.seed)
 
 

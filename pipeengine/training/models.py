@@ -1,43 +1,105 @@
-"""Which model a run trains: a module of pipeengine.models by name, and what such a module provides.
+"""Which model a run trains: ``--model NAME`` (a built-in) or ``--model package.module:function`` (yours).
 
-A model module offers ``presets()`` (name -> a config factory), ``layer_factories(config)``,
-``loss_fn(output, target)``, ``tied_parameters(num_layers)`` and ``make_source(config, data_path)``
-(examples by index, see data.Source).
+The protocol: ``function(preset, data)`` returns a :class:`Model`. ``preset`` is ``--preset`` (None
+when not given: pick your default) and ``data`` is ``--data`` (None: your default data). Raise
+``ValueError`` for a preset or data you cannot use; the message is shown as it is. For example::
+
+    def my_model(preset: str | None, data: str | None) -> pipeengine.Model:
+        width = {"small": 256, "large": 1024}[preset or "small"]
+        return pipeengine.Model(layers=[lambda: nn.Linear(32, width), lambda: nn.ReLU(),
+                                        lambda: nn.Linear(width, 10)],
+                                loss_fn=nn.functional.cross_entropy, data=MyExamples(data))
+
+The built-in models (``models/`` in the source tree, installed as ``pipeengine.models``) use the
+same protocol: ``--model gpt`` is ``--model pipeengine.models.gpt:model``.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch import nn
 
-from .config import Config
+from .checks import BUILTIN_MODELS
 
-__all__ = ["ModelSpec", "load_model"]
+__all__ = ["Model", "load_model", "pick_preset"]
+
+
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (classes, or a vocabulary at every position)."""
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 @dataclass
-class ModelSpec:
-    """The model a config names: its module (models/), its config, its layer factories and its data."""
+class Model:
+    """A model the trainer can split into stages.
 
-    module: Any
-    config: Any
-    factories: list[Any]
-    source: Any
+    - ``layers``: a factory per layer, called in order on each rank for the layers it holds (no rank
+      builds the whole model); layer ``i`` takes layer ``i - 1``'s output (a tuple stays a tuple).
+    - ``loss_fn(output, target)``: the mean loss of a microbatch (default: cross-entropy).
+    - ``data``: examples by index, for the command line (``num_examples(split)`` and ``example(split,
+      i)`` returning ``(input, target)``, split ``"train"`` or ``"val"``; see ``training/data.py``).
+    - ``tied``: groups of ``(layer, parameter name)`` that are one weight (e.g. the embedding and the
+      LM head); each group's first entry gives the initial value.
+    - ``tokens_per_example``: for tokens/s (sequence models); ``preset``: the size chosen, for logs.
+    """
 
-    @property
-    def tokens_per_example(self) -> int | None:
-        return int(getattr(self.config, "block_size", 0)) or None
+    layers: Sequence[Callable[[], nn.Module]]
+    loss_fn: Callable[[Any, Any], torch.Tensor] = _cross_entropy
+    data: Any = None
+    tied: Sequence[Sequence[tuple[int, str]]] = field(default_factory=list)
+    tokens_per_example: int | None = None
+    preset: str | None = None
 
 
-def load_model(cfg: Config) -> ModelSpec:
-    mod = importlib.import_module(f"pipeengine.models.{cfg.model.name}")
-    presets = mod.presets()
-    if cfg.model.preset not in presets:
-        raise ValueError(f"--preset {cfg.model.preset!r} is not a {cfg.model.name} preset; choose "
-                         f"{', '.join(presets)}")
-    mcfg = presets[cfg.model.preset]()
-    torch.manual_seed(cfg.model.seed)
-    return ModelSpec(mod, mcfg, mod.layer_factories(mcfg), mod.make_source(mcfg, cfg.data.path))
+def pick_preset(model: str, table: Mapping[str, Callable[[], Any]], preset: str | None, default: str) -> Any:
+    """The config of ``preset`` (``default`` when None) from ``table``, or a ValueError listing the choices."""
+    name = preset or default
+    if name not in table:
+        raise ValueError(f"--preset {name!r} is not a {model} preset; choose {', '.join(table)}")
+    return table[name]()
+
+
+def _function(spec: str) -> Callable[..., Any]:
+    path = f"pipeengine.models.{spec}:model" if spec in BUILTIN_MODELS else spec
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"--model {spec!r}: no module named {exc.name!r} (is its folder on PYTHONPATH, or the "
+                         f"package installed?)") from None
+    except Exception as exc:   # noqa: BLE001 - the user's module failed to import: say how, in one line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"--model {spec!r}: importing {module_name} raised {type(exc).__name__}: {first}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--model {spec!r}: {module_name} has no function {attr!r}")
+    return fn   # type: ignore[no-any-return]
+
+
+def load_model(spec: str, preset: str | None, data: str | None) -> Model:
+    """The :class:`Model` that ``--model spec`` names, checked; a ValueError says what is wrong with it."""
+    fn = _function(spec)
+    try:
+        model = fn(preset, data)
+    except ValueError:
+        raise
+    except TypeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"--model {spec!r}: calling it as function(preset, data) raised TypeError: {first}") from None
+    if not isinstance(model, Model):
+        raise ValueError(f"--model {spec!r} returned {type(model).__name__}, not a pipeengine.Model")
+    if not model.layers or not all(callable(f) for f in model.layers):
+        raise ValueError(f"--model {spec!r}: Model.layers must be a non-empty list of layer factories (callables "
+                         f"returning an nn.Module)")
+    if not callable(model.loss_fn):
+        raise ValueError(f"--model {spec!r}: Model.loss_fn must be callable as loss_fn(output, target)")
+    methods = ("num_examples", "example")
+    if model.data is not None and not all(callable(getattr(model.data, m, None)) for m in methods):
+        raise ValueError(f"--model {spec!r}: Model.data must have num_examples(split) and example(split, index) "
+                         f"(got {type(model.data).__name__})")
+    model.layers = list(model.layers)
+    return model

@@ -3,41 +3,43 @@ the profile partition picks, its simulated step and its memory (one process, bef
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import torch
 
+from ..runtime.layers import build_layers
 from ..runtime.planner import PartitionError, choose_bounds, position_costs
 from ..runtime.profile import profile_layers
 from ..runtime.stage import LayerError
 from ..schedule import SCHEDULES, compile_schedule, simulate
 from .data import batches
+from .models import load_model
 
 __all__ = ["profile_report"]
 
 
-def profile_report(model: str, preset: str, pp: int, microbatches: int, micro_batch_size: int,
+def profile_report(model: str, preset: str | None, pp: int, microbatches: int, micro_batch_size: int,
                    memory_cap_gib: float | None) -> int:
     """Print the report; 0 done, 1 a layer failed, 2 bad input."""
-    mod = importlib.import_module(f"pipeengine.models.{model}")
-    presets = mod.presets()
-    if preset not in presets:
-        print(f"error: --preset {preset!r} is not a {model} preset; choose {', '.join(presets)}", file=sys.stderr)
-        return 2
     if pp < 2:
         print("error: --pp must be >= 2 to compare splits", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    cfg = presets[preset]()
-    layers = mod.build(cfg)
-    x, y = batches(mod.make_source(cfg, None), "train", 0, 0, 0, 1, 1, micro_batch_size)[0]
     try:
-        costs = profile_layers(layers, 0, len(layers), x, loss_fn=mod.loss_fn, target=y, device=torch.device("cpu"))
+        spec = load_model(model, preset, None)
+        if spec.data is None:
+            raise ValueError(f"--model {model!r} gives no data (Model.data is None): the profile needs an example")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    layers = build_layers(spec.layers, 0)
+    x, y = batches(spec.data, "train", 0, 0, 0, 1, 1, micro_batch_size)[0]
+    try:
+        costs = profile_layers(layers, 0, len(layers), x, loss_fn=spec.loss_fn, target=y, device=torch.device("cpu"))
     except LayerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{model}/{preset}: {len(layers)} layers, microbatch of {micro_batch_size} on cpu, "
+    print(f"{model}/{spec.preset or preset}: {len(layers)} layers, microbatch of {micro_batch_size} on cpu, "
           f"{torch.get_num_threads()} threads; ms per microbatch (the last layer includes the loss)")
     print(f"{'layer':>5} {'F':>8} {'B':>8} {'W':>8} {'B+W fused':>10} {'act MiB':>8} {'param MiB':>9}")
     for i, c in enumerate(costs):

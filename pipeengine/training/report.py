@@ -81,7 +81,7 @@ def summary_text(s: dict[str, Any]) -> str:
     return "\n".join([
         "=" * 72,
         f"model {cfg['model']['name']}/{cfg['model']['preset']}  schedule {cfg['schedule']['name']}  pp {s['pp']} x "
-        f"dp {s['dp']}  global batch {g} = {s['dp']} x {cfg['schedule']['microbatches']} microbatches x "
+        f"dp {s['dp']}  global batch {g} = dp {s['dp']} x {cfg['schedule']['microbatches']} microbatches x "
         f"{cfg['data']['micro_batch_size']}  steps {cfg['optimizer']['steps']}",
         f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",
         f"throughput {s['steps_per_s']:.2f} steps/s  {s['samples_per_s']:,.1f} samples/s{tok}  (wall time of the "
@@ -90,7 +90,7 @@ def summary_text(s: dict[str, Any]) -> str:
         f"compute    {_compute_text(s)}",
         f"wall time  {s['elapsed_s']:.1f} s since the process started: start-up {s['startup_s'] or 0:.1f} s, "
         f"{len(s['losses'])} steps {s['steps_s']:.1f} s, final evaluation and summary "
-        f"{s['elapsed_s'] - (s['startup_s'] or 0) - s['steps_s']:.1f} s",
+        f"{max(0.0, s['elapsed_s'] - (s['startup_s'] or 0) - s['steps_s']):.1f} s",
         f"memory     peak per position  {memory}",
         f"bubble     {bub}",
         f"step time  {parts}",

@@ -29,7 +29,7 @@ from .checks import partition_arg
 from .config import Config
 from .data import batches, split_microbatches, step_loader
 from .distributed import init_distributed
-from .models import ModelSpec, load_model
+from .models import Model, load_model
 from .report import oversubscribed, progress_line, summary_text, write_json
 from .reporter import Reporter
 from .resources import flops_per_example, memory_text, peak_tflops, process_age
@@ -81,12 +81,17 @@ class Trainer:
         """Everything before the first step; a bad input raises ValueError on every rank alike."""
         cfg = self.cfg
 
-        def check() -> tuple[Topology, ModelSpec]:
+        def check() -> tuple[Topology, Model]:
             topo = cfg.resolve(self.world)
-            model = load_model(cfg)
+            torch.manual_seed(cfg.model.seed)   # a model whose data is drawn at random draws it alike on every rank
+            model = load_model(cfg.model.name, cfg.model.preset, cfg.data.path)
+            if model.data is None:
+                raise ValueError(f"--model {cfg.model.name!r} gives no data (Model.data is None): the trainer needs "
+                                 f"examples by index; see README: your own model")
+            cfg.model.preset = model.preset or cfg.model.preset
             stages = topo.pp * cfg.schedule.chunks
-            if len(model.factories) < stages:
-                raise ValueError(f"{cfg.model.name} ({cfg.model.preset}) has {len(model.factories)} layers but "
+            if len(model.layers) < stages:
+                raise ValueError(f"{cfg.model.name} ({cfg.model.preset}) has {len(model.layers)} layers but "
                                  f"pp={topo.pp} x chunks={cfg.schedule.chunks} needs {stages} stages; use fewer "
                                  f"stages or a deeper preset")
             if self.rank == 0:   # only rank 0 writes logs
@@ -97,7 +102,7 @@ class Trainer:
         self.topo, self.model = on_every_rank(check)
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
             check_shared(cfg.saving.dir)   # checkpoints need one folder every node sees
-        point = pick_checkpoint(cfg, self.topo, len(self.model.factories))
+        point = pick_checkpoint(cfg, self.topo, len(self.model.layers))
         if point is not None and point.batch is not None:   # the checkpoint's global batch, kept
             cfg.set_batch(point.batch)
         self.batch = cfg.batch
@@ -124,27 +129,28 @@ class Trainer:
             partition, costs = point.bounds, point.costs
         sample = None
         if partition == "profile":   # time the layers on the run's first microbatch
-            sample = batches(model.source, "train", 0, cfg.model.seed, 0, self.topo.dp, self.batch.microbatches,
+            sample = batches(model.data, "train", 0, cfg.model.seed, 0, self.topo.dp, self.batch.microbatches,
                              self.batch.micro)[0]
         cap = cfg.schedule.memory_cap
         return PipelineEngine(
-            model.factories, model.module.loss_fn, make_opt, topology=self.topo, schedule=cfg.schedule.name,
+            model.layers, model.loss_fn, make_opt, topology=self.topo, schedule=cfg.schedule.name,
             microbatches=self.batch.microbatches, chunks=cfg.schedule.chunks, seed=cfg.model.seed,
-            tied=model.module.tied_parameters(len(model.factories)), device=self.device, timeout=cfg.faults.timeout,
+            tied=[list(g) for g in model.tied], device=self.device, timeout=cfg.faults.timeout,
             grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
             on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
             costs=costs, memory_cap=cap * 2**30 if cap else None)
 
     def _open_logs(self) -> None:
         cfg, topo = self.cfg, self.topo
-        name = cfg.logging.run_name or (f"{cfg.model.name}-{cfg.schedule.name}-pp{topo.pp}dp{topo.dp}-"
+        label = cfg.model.name.rpartition(":")[2]   # a function's name for package.module:function
+        name = cfg.logging.run_name or (f"{label}-{cfg.schedule.name}-pp{topo.pp}dp{topo.dp}-"
                                         f"{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir = os.path.join(cfg.logging.dir, name)
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0)
         self.writer.log_text("config", "".join(f"    {line}\n" for line in to_toml(cfg).splitlines()))
         flops = None
         if self.rank == 0:   # counted on the meta device: no memory, no compute
-            flops = flops_per_example(self.model.factories, self.model.source.example("train", 0)[0])
+            flops = flops_per_example(self.model.layers, self.model.data.example("train", 0)[0])
         self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.batch.size,
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
@@ -170,7 +176,7 @@ class Trainer:
             self._close_data()
             cuda = self.device.type == "cuda"
             workers = cfg.data.workers if cfg.data.workers is not None else (2 if cuda else 0)
-            self._loader = iter(step_loader(self.model.source, cfg.model.seed, self.engine.replica, self.topo.dp,
+            self._loader = iter(step_loader(self.model.data, cfg.model.seed, self.engine.replica, self.topo.dp,
                                             self.batch.size, step, cfg.optimizer.steps, workers, pin_memory=cuda))
         batch = next(self._loader)
         self._loader_step = step + 1
@@ -184,7 +190,7 @@ class Trainer:
         """The validation loss on step ``step``'s validation batch."""
         data = None
         if self.engine.needs_data:
-            data = iter(batches(self.model.source, "val", step, self.cfg.model.seed, self.engine.replica, self.topo.dp,
+            data = iter(batches(self.model.data, "val", step, self.cfg.model.seed, self.engine.replica, self.topo.dp,
                                 self.batch.microbatches, self.batch.micro))
         return float(self.engine.eval_batch(data).loss)
 

@@ -339,8 +339,10 @@ def test_a_config_file_written_before_sections_loads() -> None:
     cfg = parse_args(["--config", str(ASSETS / "config-v0.toml")])
     assert (cfg.model.name, cfg.optimizer.steps, cfg.recompute.policy, cfg.data.micro_batch_size) == \
         ("mlp", 7, "full", 2)
-    # the file gives microbatches = 4, the default it was written with (now -m has no fixed default)
-    assert cfg == parse_args(["--model", "mlp", "--steps", "7", "--recompute", "full", "-b", "2", "-m", "4"])
+    # the file gives microbatches = 4 and preset = "tiny", the defaults it was written with (now the global batch
+    # and the model choose them)
+    assert cfg == parse_args(["--model", "mlp", "--steps", "7", "--recompute", "full", "-b", "2", "-m", "4",
+                              "--preset", "tiny"])
 
 
 # ------------------------------------------------------------------ many nodes
