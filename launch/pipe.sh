@@ -14,12 +14,15 @@
 # Environment (multi-node through torchrun's static rendezvous; defaults = one node):
 #   NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
 #   LOG_RANK=0        which local rank's output to show (torchrun --local-ranks-filter); "all" for every rank
+#   RANK_LOGS=<log dir>/.ranks/<time>-<pid>   every rank's stdout/stderr files (torchrun --log-dir), linked from
+#                     the run folder as ranks/
 #   PYTHON=python     interpreter to use
 #   MAX_RESTARTS=0    restart the whole group this many times when a worker dies (same as --max-restarts N;
 #                     with the trainer's --save-interval, a restarted group resumes from its newest checkpoint)
 #   RDZV_TIMEOUT=120  multi-node: seconds a node waits for the others at start-up before it gives up
-# Exit status: the trainer's (0 done, 2 bad input, 3 a failure it explained, 130/143 stopped by Ctrl-C/SIGTERM);
-# torchrun's own failure summary is shown only for crashes the trainer did not explain.
+# Exit status: the trainer's (0 done, 2 bad input, 3 a failure it explained, 129/130/143 stopped by
+# SIGHUP/Ctrl-C/SIGTERM); torchrun's own failure summary is shown only for crashes the trainer did not explain.
+# SIGTERM, SIGINT or SIGHUP to this script reach every worker through torchrun; SIGKILL ends torchrun too.
 # Example, two nodes of 8 GPUs (run on each node with its NODE_RANK):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/pipe.sh 8 gpus --pp 8 --model gpt --preset small
 # Slurm: see launch/slurm.sbatch.
@@ -67,6 +70,7 @@ WORLD=$((NPROC * NNODES))
 # --max-restarts is torchrun's; --pp from the trainer flags, or the default split
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 PP=""
+LOG_DIR=runs
 ARGS=()
 while (( $# )); do
     case "$1" in
@@ -74,6 +78,8 @@ while (( $# )); do
         --max-restarts=*) MAX_RESTARTS=${1#--max-restarts=}; shift; continue ;;
         --pp) PP=${2:-} ;;
         --pp=*) PP=${1#--pp=} ;;
+        --log-dir) LOG_DIR=${2:-runs} ;;
+        --log-dir=*) LOG_DIR=${1#--log-dir=} ;;
     esac
     ARGS+=("$1"); shift
 done
@@ -95,8 +101,22 @@ if [[ "$DEVICE" == cpu ]]; then
     export OMP_NUM_THREADS=$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))
 fi
 
-FILTER=()
-[[ "$LOG_RANK" != all ]] && FILTER=(--local-ranks-filter "$LOG_RANK" --tee 3)
+# Every rank's output goes to its own files (torchrun --log-dir; the run folder links them as ranks/). On
+# screen: rank LOG_RANK's. On a terminal that rank writes its progress straight to it (one line updated in
+# place, without torchrun's prefix); its stderr still comes through torchrun.
+RANK_LOGS=${RANK_LOGS:-$LOG_DIR/.ranks/$(date +%Y%m%d-%H%M%S)-$$}
+mkdir -p "$RANK_LOGS"
+export PIPEENGINE_RANK_LOGS
+PIPEENGINE_RANK_LOGS=$(cd "$RANK_LOGS" && pwd)
+FILTER=(--log-dir "$RANK_LOGS" --redirects 3 --tee 3)
+if [[ "$LOG_RANK" != all ]]; then
+    FILTER+=(--local-ranks-filter "$LOG_RANK")
+    if [[ -t 1 && -e /proc/$$/fd/1 ]]; then
+        export PIPEENGINE_CONSOLE PIPEENGINE_CONSOLE_RANK=$LOG_RANK
+        PIPEENGINE_CONSOLE=$(readlink -f "/proc/$$/fd/1")
+        FILTER=(--log-dir "$RANK_LOGS" --redirects 3 --tee 2 --local-ranks-filter "$LOG_RANK")
+    fi
+fi
 if (( NNODES > 1 )); then
     if (( NODE_RANK == 0 )) && (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; then
         echo "pipe.sh: port $MASTER_PORT on $MASTER_ADDR is already in use; set MASTER_PORT to a free port" \
@@ -111,11 +131,30 @@ fi
 CMD=("$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" --max-restarts "$MAX_RESTARTS"
      "${FILTER[@]}" -m pipeengine.train --device "$DEVICE" --backend "$BACKEND" "${ARGS[@]}")
 echo "+ ${CMD[*]}" >&2
-# torchrun's stderr goes through quiet.awk, which holds back torchrun's failure summary when every
-# failed worker explained itself (exit 2, 3, 130 or 143) and exits with that status (else 0).
-# The filter ignores Ctrl-C and SIGTERM: torchrun gets them and stops the workers.
+# torchrun runs in the background of this script, in a session of its own, so that the script passes it
+# SIGTERM, SIGINT and SIGHUP exactly once (torchrun passes them to the workers, which stop after the same
+# step and write their summary), and it dies with the script even on SIGKILL (PR_SET_PDEATHSIG; its
+# workers follow their parent).
+# Its stderr goes through quiet.awk, which holds back torchrun's failure summary when every failed
+# worker explained itself (exit 2, 3, 129, 130 or 143) and exits with that status (else 0).
+DIE_WITH_ME='import ctypes, os, signal, sys
+os.setsid()   # signals reach torchrun once, forwarded by this script (a terminal signals its group)
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG (Linux)
+except (AttributeError, OSError):
+    pass
+os.execvp(sys.argv[1], sys.argv[1:])'
 set +e
-{ "${CMD[@]}" 2>&1 1>&3 3>&- | (trap '' INT TERM; exec awk -f "$(dirname "$0")/quiet.awk") 1>&2; } 3>&1
-STATUS=("${PIPESTATUS[@]}")
-(( STATUS[1] != 0 )) && exit "${STATUS[1]}"
-exit "${STATUS[0]}"
+exec 4> >(trap '' INT TERM HUP; exec awk -f "$(dirname "$0")/quiet.awk" 1>&2)
+FILTER_PID=$!
+"$PYTHON" -c "$DIE_WITH_ME" "${CMD[@]}" 2>&4 3>&- &
+TORCHRUN=$!
+for sig in INT TERM HUP; do trap "kill -s $sig $TORCHRUN 2>/dev/null" "$sig"; done
+while true; do   # a trapped signal ends `wait` early: wait again until torchrun has exited
+    wait "$TORCHRUN"; CODE=$?
+    kill -0 "$TORCHRUN" 2>/dev/null || break
+done
+exec 4>&-
+wait "$FILTER_PID"; EXPLAINED=$?
+(( EXPLAINED != 0 )) && exit "$EXPLAINED"
+exit "$CODE"

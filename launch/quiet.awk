@@ -1,9 +1,13 @@
 # Used by pipe.sh on torchrun's stderr: pass everything through until torchrun starts its failure
 # summary (a worker failed); hold that back. At the end, drop it if every failed worker exited with a
-# status the trainer explained itself (2 bad input, 3 an explained failure, 130/143 stopped by a
+# status the trainer explained itself (2 bad input, 3 an explained failure, 129/130/143 stopped by a
 # signal) and exit with the highest such status; the same when torchrun itself was stopped by a
 # signal (Ctrl-C: its workers stop on their own and say so). Otherwise print it and exit 0.
 /^\[default[0-9]+\]:/ { print; fflush(); next }   # a worker's own output always passes
+/will restart worker group/ {   # the group failed and restarts: what is held was that attempt's; start over
+    for (i = 0; i < n; i++) print buf[i]
+    print; fflush(); n = 0; held = 0; worst = 0; crash = 0; signalled = 0; next
+}
 held == 0 && /closing signal|failed \(exitcode: / { held = 1 }
 held == 0 { print; fflush(); next }
 {
@@ -14,7 +18,7 @@ held == 0 { print; fflush(); next }
     line = $0
     while (match(line, /exitcode *: *-?[0-9]+/)) {
         code = substr(line, RSTART, RLENGTH); sub(/.*: */, "", code); code += 0
-        if (code == 2 || code == 3 || code == 130 || code == 143) { if (code > worst) worst = code }
+        if (code == 2 || code == 3 || code == 129 || code == 130 || code == 143) { if (code > worst) worst = code }
         else if (code != -15) { crash = 1 }
         line = substr(line, RSTART + RLENGTH)
     }

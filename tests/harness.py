@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job", "start_pipe_sh_job", "python_cli",
-           "ROOT"]
+__all__ = ["free_port", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job", "pipe_sh_command",
+           "start_pipe_sh_job", "python_cli", "ROOT"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,8 +199,9 @@ def pipe_sh(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
                           timeout=timeout, env=dict(os.environ, **(env or {})), cwd=cwd)
 
 
-def _job(tmp_path: Path, n: int, flags: tuple[str, ...],
-         env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+def pipe_sh_command(tmp_path: Path, n: int, flags: tuple[str, ...],
+                    env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of :func:`pipe_sh_job`."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="0", **(env or {}))
     cmd = ["bash", str(ROOT / "launch" / "pipe.sh"), str(n), "cpus", "--log-dir", str(tmp_path), "--run-name", "run",
@@ -211,7 +212,7 @@ def _job(tmp_path: Path, n: int, flags: tuple[str, ...],
 def pipe_sh_job(tmp_path: Path, n: int, *flags: str, timeout: float = 240, env: dict[str, str] | None = None,
                 check: bool = True) -> subprocess.CompletedProcess[str]:
     """The training job as a user runs it: ``launch/pipe.sh n cpus --log-dir tmp_path --run-name run flags...``."""
-    cmd, full_env = _job(tmp_path, n, flags, env)
+    cmd, full_env = pipe_sh_command(tmp_path, n, flags, env)
     proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -221,7 +222,7 @@ def pipe_sh_job(tmp_path: Path, n: int, *flags: str, timeout: float = 240, env: 
 def start_pipe_sh_job(tmp_path: Path, n: int, *flags: str, env: dict[str, str] | None = None,
                       merge_stderr: bool = False) -> subprocess.Popen[str]:
     """:func:`pipe_sh_job` started in its own session, to be signalled (``os.killpg(proc.pid, ...)``)."""
-    cmd, full_env = _job(tmp_path, n, flags, env)
+    cmd, full_env = pipe_sh_command(tmp_path, n, flags, env)
     return subprocess.Popen(cmd, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
                             start_new_session=True)

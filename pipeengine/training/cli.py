@@ -199,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     exit sometimes abort the process ("terminate called without an active exception"), which
     would turn a finished run into a crash.
     """
+    from .console import use_console
+    use_console()
     cfg = parse_args(argv)
     import traceback
 

@@ -108,12 +108,27 @@ def _strict(x: Any) -> Any:
     return x
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (other threads may be creating files)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path: str, doc: Any) -> None:
     """Write ``doc`` as strict JSON (NaN and inf become null), atomically: a reader sees the old file or the new."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + "-", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())   # as open() would make it (mkstemp makes it private)
         with os.fdopen(fd, "w") as fh:
             json.dump(_strict(doc), fh, indent=1, allow_nan=False)
         os.replace(tmp, path)

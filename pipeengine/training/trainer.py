@@ -30,6 +30,7 @@ from .config import Config
 from .data import batches, split_microbatches, step_loader
 from .distributed import init_distributed
 from .models import Model, load_model
+from .console import link_rank_logs
 from .report import oversubscribed, progress_line, summary_text, write_json
 from .reporter import Reporter
 from .resources import flops_per_example, memory_text, peak_tflops, process_age
@@ -155,6 +156,8 @@ class Trainer:
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
                                  warm=self.warm, writer=self.writer)
+        if self.rank == 0:
+            link_rank_logs(self.run_dir)
         if self.rank == 0 and not cfg.logging.quiet:
             print(topo.describe())
             if self.engine.plan.choice is not None:
@@ -317,13 +320,13 @@ class Trainer:
             self.stop.restore()
             self.writer.close()
             self._write_summary()
-        if code:
-            raise self._exit(code)
         result = self.summary()
-        if self.rank == 0:
-            if self.is_tty:
+        if self.rank == 0 and (not code or self.state.status.startswith("stopped by")):   # Ctrl-C too
+            if self.is_tty and not code:
                 print()
             print(summary_text(result))
+        if code:
+            raise self._exit(code)
         if self.owned:
             dist.destroy_process_group()
         return result
@@ -394,4 +397,10 @@ class Trainer:
 
 def run(cfg: Config) -> dict[str, Any]:
     """Run one training job; its summary (see :meth:`Trainer.summary`)."""
-    return Trainer(cfg).run()
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as exc:   # no process group to agree on it: every rank says it (e.g. --device cuda, no GPU)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return trainer.run()

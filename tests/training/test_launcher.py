@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ROOT, WorldPool, pipe_sh, pipe_sh_job, start_pipe_sh_job
+from tests.harness import ROOT, WorldPool, pipe_sh, pipe_sh_command, pipe_sh_job, start_pipe_sh_job
 
 
 def launch(tmp_path: Path, n: int, *flags: str, timeout: float = 240) -> dict[str, Any]:
@@ -138,6 +139,11 @@ def _workers(launcher: int) -> list[int]:
     return found
 
 
+def _unprefixed(out: str) -> str:
+    """Rank 0's output as torchrun shows it off a terminal, without its ``[default0]:`` prefix."""
+    return re.sub(r"(?m)^\[default0\]:", "", out)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -162,6 +168,8 @@ def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) ->
     assert proc.returncode == 130, err[-3000:]
     assert elapsed < 15, elapsed
     assert "SIGINT: every rank stopped after step" in err and "Traceback" not in err, err[-3000:]
+    out = _unprefixed(out)
+    assert "=" * 72 in out and "\nloss       first " in out   # the summary block, on Ctrl-C too
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     done = summary["steps_done"]
     assert summary["status"] == f"stopped by SIGINT after step {done}" and len(summary["losses"]) == done
@@ -190,6 +198,68 @@ def test_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
             os.kill(w, signal.SIGKILL)
         _kill_group(proc)
     assert not survivors and elapsed < 10, elapsed
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killing_the_launcher_script_alone_stops_every_worker(sig: signal.Signals, tmp_path: Path) -> None:
+    """As a container runtime or a scheduler does: a signal to pipe.sh's pid only, not to its process group."""
+    proc = _endless(tmp_path)
+    workers: list[int] = []
+    try:
+        _wait_for_step_line(proc, "step 2/")
+        torchrun, workers = _workers_parent(proc.pid), _workers(proc.pid)
+        assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
+        os.kill(proc.pid, sig)
+        t0 = time.monotonic()
+        while any(_alive(p) for p in workers + torchrun) and time.monotonic() - t0 < 20:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - t0
+        out, err = proc.communicate(timeout=30)
+    finally:
+        survivors = [w for w in workers if _alive(w)]
+        for w in survivors:
+            os.kill(w, signal.SIGKILL)
+        _kill_group(proc)
+    assert not survivors and elapsed < 10, elapsed
+    if sig == signal.SIGTERM:   # passed on: every worker stops after the same step and says so, with the summary
+        assert proc.returncode == 143 and "SIGTERM: every rank stopped after step" in err, err[-3000:]
+        assert "\nloss       first " in _unprefixed(out)
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(150)
+def test_pipe_sh_on_a_terminal_updates_rank_0s_progress_in_place(tmp_path: Path) -> None:
+    """Rank 0 writes to the terminal itself (no torchrun prefix); every rank's output is in the run's ranks/."""
+    import pty
+    import select
+    master, slave = pty.openpty()
+    cmd, env = pipe_sh_command(tmp_path, 2, ("--model", "mlp", "--steps", "12"), None)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 1.0)[0]:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data.decode())
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    text = "".join(chunks)
+    assert proc.returncode == 0, text[-3000:]
+    updates = [u for u in text[text.index("[", text.index("logs in")):text.index("=" * 72)].split("\r") if u.strip()]
+    assert len(updates) == 12 and all(u.startswith("[") and "steps/s" in u for u in updates), updates
+    assert "[default0]:[" not in text and "\nloss       first " in text.replace("\r\n", "\n")
+    logs = sorted((tmp_path / "run" / "ranks").glob("*/attempt_0/*/stdout.log"))
+    assert len(logs) == 2 and "step 12/12" in logs[0].read_text() and "\r" not in logs[0].read_text()
 
 
 def _workers_parent(launcher: int) -> list[int]:

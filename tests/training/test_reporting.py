@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import torch
 
 from pipeengine.runtime.clock import ActionRecord
 from pipeengine.training.breakdown import decompose, pipeline_bubble
+from pipeengine.training.console import _Console
 from pipeengine.training.report import write_json
 from pipeengine.training.tensorboard import MetricsWriter
 from pipeengine.training.timeline import COLORS, _frame, chrome_trace, timeline_image
@@ -180,3 +182,26 @@ def test_summary_json_is_strict_and_atomic(tmp_path: Path) -> None:
     write_json(str(path), {"loss": float("nan"), "xs": [1.0, float("inf")], "ok": 2})
     assert json.loads(path.read_text()) == {"loss": None, "xs": [1.0, None], "ok": 2}
     assert os.listdir(path.parent) == ["summary.json"]   # no temporary left behind
+    mask = os.umask(0o027)
+    try:
+        write_json(str(path), {})
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o640   # as the user's umask says, like every other file of the run
+
+
+@pytest.mark.parametrize("every", [0, 100])
+def test_console_logs_progress_updates_as_lines(every: float) -> None:
+    """Under pipe.sh on a terminal: the terminal gets the in-place updates as written; the rank's log file
+    gets lines: every update when ``every`` is 0, else only the last before other output."""
+    terminal, log = io.StringIO(), io.StringIO()
+    console = _Console(terminal, log, every=every)
+    print("head", file=console)
+    for step in range(3):
+        print(f"\r[..] step {step}\033[K", end="", file=console, flush=True)
+    print(file=console)
+    print("===\nsummary", file=console)
+    assert terminal.getvalue() == "head\n" + "".join(f"\r[..] step {s}\033[K" for s in range(3)) + "\n===\nsummary\n"
+    steps = range(3) if every == 0 else [2]
+    assert log.getvalue() == "head\n" + "".join(f"[..] step {s}\n" for s in steps) + "===\nsummary\n"
+    assert console.isatty()
