@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["peak_memory", "memory_text", "flops_per_example", "peak_tflops", "PEAK_TFLOPS", "process_age"]
+__all__ = ["peak_memory", "memory_text", "flops_per_example", "peak_tflops", "PEAK_TFLOPS", "process_age",
+           "slow_bf16_hint"]
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (name fragment, bf16/fp16 tensor cores, fp32).
 # The first fragment found in torch.cuda.get_device_name() wins, so the more specific ones come first.
@@ -89,3 +90,19 @@ def process_age() -> float:
             return max(0.0, float(fh.read().split()[0]) - started)
     except (OSError, ValueError, IndexError):
         return time.monotonic() - _IMPORTED
+
+
+def slow_bf16_hint(device: torch.device, precision: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """One line when bf16 runs on a CPU whose flags show no bf16 instructions (avx512_bf16 or amx_bf16 on
+    x86, bf16 on Arm): there torch emulates bf16 and a step takes several times as long as in fp32."""
+    if device.type != "cpu" or precision != "bf16":
+        return None
+    try:
+        with open(cpuinfo) as fh:
+            flags = {f for line in fh if line.lower().startswith(("flags", "features")) for f in line.split()}
+    except OSError:
+        return None   # not Linux: nothing to say
+    if not flags or flags & {"avx512_bf16", "amx_bf16", "bf16"}:
+        return None
+    return ("note: this CPU has no bf16 instructions (no avx512_bf16, amx_bf16 or bf16 in /proc/cpuinfo): "
+            "--precision bf16 is emulated and slower than fp32 here; use --precision fp32 on this machine")

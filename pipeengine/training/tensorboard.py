@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..runtime.clock import ActionRecord
 from .breakdown import PARTS
-from .timeline import timeline_image
+from .timeline import save_timeline_png, timeline_image
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -103,11 +103,14 @@ class MetricsWriter:
         self.log_scalars(step, {"val/loss": val_loss})
 
     def log_timeline(self, step: int, records_by_rank: Mapping[int, Sequence[ActionRecord]]) -> None:
-        """The step's timeline image under ``pipeline/timeline``."""
-        if self._writer is not None:
-            img = timeline_image(records_by_rank, title=f"step {step}: measured pipeline timeline")
+        """The step's timeline image under ``pipeline/timeline``, and as ``timeline.png`` in the run folder
+        (the newest logged step's)."""
+        if self._writer is not None and self.log_dir is not None:
+            title = f"step {step}: measured pipeline timeline"
+            img = timeline_image(records_by_rank, title=title)
             self._writer.add_image("pipeline/timeline", img, step, dataformats="HWC")
             self._writer.flush()
+            save_timeline_png(records_by_rank, os.path.join(self.log_dir, "timeline.png"), title)
 
     def close(self) -> None:
         """Flush and close; later calls are no-ops."""

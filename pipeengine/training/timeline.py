@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -14,7 +15,7 @@ from .report import write_json
 if TYPE_CHECKING:
     from PIL import ImageDraw, ImageFont
 
-__all__ = ["COLORS", "timeline_image", "chrome_trace"]
+__all__ = ["COLORS", "timeline_image", "timeline_picture", "save_timeline_png", "chrome_trace"]
 
 #: Box colours of the timeline image (RGB), one per action kind.
 COLORS: dict[Phase, tuple[int, int, int]] = {
@@ -98,14 +99,9 @@ def _draw_rank(draw: ImageDraw.ImageDraw, font: ImageFont.FreeTypeFont | ImageFo
             draw.text(centre, text, fill=_text_fill(fill), font=font, anchor="mm")
 
 
-def timeline_image(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, width: int = 1200,
-                   title: str = "") -> torch.Tensor:
-    """Picture of one step as an HWC uint8 tensor (``SummaryWriter.add_image(..., dataformats="HWC")``).
-
-    One row per rank, labelled ``rank r / stage s``; boxes sit at the measured times (F blue, B green,
-    W orange, COMM grey, WAIT red, SYNC purple) with the microbatch inside when it fits; a time
-    axis in ms and a legend of the kinds present below. A torch tensor, as numpy is no dependency of torch.
-    """
+def timeline_picture(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, width: int = 1200,
+                     title: str = "") -> Any:
+    """The PIL image behind :func:`timeline_image`."""
     from PIL import Image, ImageDraw
     ranks = sorted(records_by_rank)
     frame = _frame(records_by_rank, width, title)
@@ -137,7 +133,26 @@ def timeline_image(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, wid
         draw.rectangle([x, y, x + 9, y + 9], fill=COLORS.get(kind, _OTHER))
         draw.text((x + 13, y + 5), kind, fill=_INK, font=font, anchor="lm")
         x += w
-    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(height, width, 3)
+    return img
+
+
+def timeline_image(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, width: int = 1200,
+                   title: str = "") -> torch.Tensor:
+    """Picture of one step as an HWC uint8 tensor (``SummaryWriter.add_image(..., dataformats="HWC")``).
+
+    One row per rank, labelled ``rank r / stage s``; boxes sit at the measured times (F blue, B green,
+    W orange, COMM grey, WAIT red, SYNC purple) with the microbatch inside when it fits; a time
+    axis in ms and a legend of the kinds present below. A torch tensor, as numpy is no dependency of torch.
+    """
+    img = timeline_picture(records_by_rank, width=width, title=title)
+    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3)
+
+
+def save_timeline_png(records_by_rank: Mapping[int, Sequence[ActionRecord]], path: str, title: str = "") -> None:
+    """:func:`timeline_image` as a PNG file, written atomically (a viewer sees the old picture or the new)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    timeline_picture(records_by_rank, title=title).save(tmp, format="PNG")
+    os.replace(tmp, path)
 
 
 _LANES = {Phase.F: 0, Phase.B: 0, Phase.W: 0, Phase.COMM: 1, Phase.WAIT: 1, Phase.SYNC: 2}

@@ -27,13 +27,13 @@ from .checkpoint import AsyncSaver, CheckpointError, check_shared, save
 from .cli import to_toml
 from .checks import partition_arg
 from .config import Config
+from .console import link_rank_logs
 from .data import batches, split_microbatches, step_loader
 from .distributed import init_distributed
 from .models import Model, load_model
-from .console import link_rank_logs
 from .report import oversubscribed, progress_line, summary_text, write_json
 from .reporter import Reporter
-from .resources import flops_per_example, memory_text, peak_tflops, process_age
+from .resources import flops_per_example, memory_text, peak_tflops, process_age, slow_bf16_hint
 from .resume import ResumePoint, pick_checkpoint, resume
 from .stopping import StopRequest
 from .tensorboard import MetricsWriter
@@ -165,6 +165,9 @@ class Trainer:
             print(f"model {cfg.model.name}/{cfg.model.preset}: {self.engine.num_layers} layers, stage bounds "
                   f"{self.engine.bounds}; schedule {cfg.schedule.name}, {self.batch.microbatches} microbatches x "
                   f"{self.batch.micro} per replica, global batch {self.batch.size}; logs in {self.run_dir}")
+            hint = slow_bf16_hint(self.device, cfg.precision.mode)
+            if hint:
+                print(hint)
 
     # ------------------------------------------------------------------ steps
 

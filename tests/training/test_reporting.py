@@ -16,6 +16,7 @@ from pipeengine.runtime.clock import ActionRecord
 from pipeengine.training.breakdown import decompose, pipeline_bubble
 from pipeengine.training.console import _Console
 from pipeengine.training.report import write_json
+from pipeengine.training.resources import flops_per_example, peak_tflops, slow_bf16_hint
 from pipeengine.training.tensorboard import MetricsWriter
 from pipeengine.training.timeline import COLORS, _frame, chrome_trace, timeline_image
 
@@ -149,6 +150,10 @@ def test_writer_round_trip(tmp_path: Path) -> None:
     assert tags["images"] == ["pipeline/timeline"]
     image = acc.Images("pipeline/timeline")[0]
     assert (image.step, image.width) == (2, 1200)
+    from PIL import Image   # the same picture as a PNG in the run folder
+    with Image.open(tmp_path / "run" / "timeline.png") as png:
+        assert png.format == "PNG" and (png.width, png.height) == (1200, image.height)
+        assert png.tobytes() == timeline_image(R, title="step 2: measured pipeline timeline").numpy().tobytes()
     # the layout is a custom_scalars-plugin tensor holding a serialised Layout proto
     from tensorboard.plugins.custom_scalar import layout_pb2
     tag = "custom_scalars__config__"
@@ -205,3 +210,28 @@ def test_console_logs_progress_updates_as_lines(every: float) -> None:
     steps = range(3) if every == 0 else [2]
     assert log.getvalue() == "head\n" + "".join(f"[..] step {s}\n" for s in steps) + "===\nsummary\n"
     assert console.isatty()
+
+
+@pytest.mark.parametrize("flags, precision, device, hint", [
+    ("fpu sse avx2 avx512f", "bf16", "cpu", True),            # x86 without bf16: emulated
+    ("fpu avx512f avx512_bf16", "bf16", "cpu", False),
+    ("fpu amx_bf16 amx_tile", "bf16", "cpu", False),
+    ("fp asimd bf16", "bf16", "cpu", False),                  # Arm: "Features" line
+    ("fpu sse avx2", "fp32", "cpu", False),
+    ("fpu sse avx2", "bf16", "meta", False)])                 # not a CPU run
+def test_slow_bf16_hint_names_the_missing_instructions(tmp_path: Path, flags: str, precision: str, device: str,
+                                                       hint: bool) -> None:
+    key = "Features" if "asimd" in flags else "flags"
+    (tmp_path / "cpuinfo").write_text(f"processor\t: 0\n{key}\t\t: {flags}\n\nprocessor\t: 1\n{key}\t\t: {flags}\n")
+    line = slow_bf16_hint(torch.device(device), precision, str(tmp_path / "cpuinfo"))
+    assert (line is not None) == hint
+    if hint:
+        assert "avx512_bf16" in line and "--precision fp32" in line and "\n" not in line
+    assert slow_bf16_hint(torch.device("cpu"), "bf16", str(tmp_path / "missing")) is None
+
+
+def test_model_flops_on_the_meta_device_and_the_peak_table() -> None:
+    layers = [lambda: torch.nn.Linear(8, 16), lambda: torch.nn.ReLU(), lambda: torch.nn.Linear(16, 4)]
+    # forward 2*(8*16 + 16*4) multiply-adds per example, training 3x that
+    assert flops_per_example(layers, torch.zeros(8)) == pytest.approx(3 * 2 * (8 * 16 + 16 * 4))
+    assert peak_tflops(torch.device("cpu"), "bf16") is None   # no default on CPU: MFU is n/a unless given
