@@ -145,7 +145,7 @@ except (AttributeError, OSError):
     pass
 os.execvp(sys.argv[1], sys.argv[1:])'
 set +e
-exec 4> >(trap '' INT TERM HUP; exec awk -f "$(dirname "$0")/quiet.awk" 1>&2)
+exec 4> >(trap '' INT TERM HUP; exec awk -v reports="$RANK_LOGS" -f "$(dirname "$0")/quiet.awk" 1>&2)
 FILTER_PID=$!
 "$PYTHON" -c "$DIE_WITH_ME" "${CMD[@]}" 2>&4 3>&- &
 TORCHRUN=$!
@@ -156,5 +156,8 @@ while true; do   # a trapped signal ends `wait` early: wait again until torchrun
 done
 exec 4>&-
 wait "$FILTER_PID"; EXPLAINED=$?
+if [[ "$LOG_RANK" != all ]] && (( CODE != 0 )); then   # a failure reported by a rank not on screen (rank 0 was stopped or dead)
+    for f in "$RANK_LOGS"/shown-by-rank*.txt; do [[ -e "$f" ]] && cat "$f" >&2; done
+fi
 (( EXPLAINED != 0 )) && exit "$EXPLAINED"
 exit "$CODE"

@@ -2,7 +2,8 @@
 # summary (a worker failed); hold that back. At the end, drop it if every failed worker exited with a
 # status the trainer explained itself (2 bad input, 3 an explained failure, 129/130/143 stopped by a
 # signal) and exit with the highest such status; the same when torchrun itself was stopped by a
-# signal (Ctrl-C: its workers stop on their own and say so). Otherwise print it and exit 0.
+# signal (Ctrl-C: its workers stop on their own and say so), or when a rank wrote a failure report for pipe.sh to
+# show (-v reports=<folder of shown-by-rank*.txt>). Otherwise print it and exit 0.
 /^\[default[0-9]+\]:/ { print; fflush(); next }   # a worker's own output always passes
 /will restart worker group/ {   # the group failed and restarts: what is held was that attempt's; start over
     for (i = 0; i < n; i++) print buf[i]
@@ -24,6 +25,10 @@ held == 0 { print; fflush(); next }
     }
 }
 END {
+    # a rank not on screen reported the failure (pipe.sh shows it next): the ranks it names were stopped for it
+    if (n && crash && reports != "" && system("ls '" reports "'/shown-by-rank*.txt >/dev/null 2>&1") == 0) {
+        crash = 0; if (worst < 3) worst = 3
+    }
     if (n && !crash && (worst || signalled)) exit (signalled > worst ? signalled : worst)
     for (i = 0; i < n; i++) print buf[i]
     exit 0

@@ -203,7 +203,7 @@ def pipe_sh_command(tmp_path: Path, n: int, flags: tuple[str, ...],
                     env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of :func:`pipe_sh_job`."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="0", **(env or {}))
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", **(env or {})}
     cmd = ["bash", str(ROOT / "launch" / "pipe.sh"), str(n), "cpus", "--log-dir", str(tmp_path), "--run-name", "run",
            *flags]
     return cmd, full_env

@@ -39,11 +39,12 @@ from .hangs import describe_line, doing_text, dump_flight_recorder, ranks_text, 
 from .numerics import NonFiniteError
 from .options import STARTUP_TIMEOUT
 
-__all__ = ["EXPLAINED", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout"]
+__all__ = ["EXPLAINED", "SHOW_LIMIT", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout"]
 
 EXPLAINED = 3            # exit status of a rank that stopped because of an explained fault elsewhere
 PREFIX = "pipeengine/faults/"
 POLL = 0.5               # seconds between the watcher's looks at the store
+SHOW_LIMIT = 10.0        # seconds a rank stopping over a failure waits for rank 0 to have printed it
 
 
 class WaitTimeout(RuntimeError):
@@ -183,6 +184,29 @@ class Watch:
         except Exception:   # the store itself is gone: nothing left to tell
             pass
 
+    def wait_shown(self, limit: float) -> bool:
+        """Before this rank exits over a failure: when a failure or a wait-for report was published, wait up to
+        ``limit`` seconds until it has been printed (by rank 0, the rank on screen; the launcher stops every
+        rank as soon as one exits). Whether it was; False at once when nothing was published."""
+        deadline = time.monotonic() + limit
+        try:
+            if not self.store.check([PREFIX + "failed"]) and not self.store.check([PREFIX + "report"]):
+                return False
+            while self.store.add(PREFIX + "printed", 0) == 0:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+            return True
+        except Exception:   # the store is gone
+            return False
+
+    def mark_shown(self) -> None:
+        """Rank 0 printed the failure itself (its own crash's traceback): ranks waiting in :meth:`wait_shown` go."""
+        try:
+            self.store.add(PREFIX + "printed", 1)
+        except Exception:
+            pass
+
     # ------------------------------------------------------------------ hang reports
 
     def _line(self, state: str, what: Any = "", peers: Sequence[int] = (), secs: float = 0.0) -> dict[str, Any]:
@@ -233,6 +257,13 @@ class Watch:
         except Exception:
             pass
         print(text, file=sys.stderr, flush=True)
+        logs = os.environ.get("PIPEENGINE_RANK_LOGS")
+        if self.rank != 0 and logs:   # launch/pipe.sh shows only rank 0's output: it shows this file at the end
+            try:
+                with open(os.path.join(logs, f"shown-by-rank{self.rank}.txt"), "w") as fh:
+                    fh.write(text + "\n")
+            except OSError:
+                pass
 
     def _failure_text(self, wait: float = 0.0) -> str | None:
         deadline = time.monotonic() + wait
@@ -302,6 +333,8 @@ class Watch:
         """End this process: it is blocked in a wait that nothing else will end (see the module note)."""
         if self.rank == 0:
             self.print_once(text)
+        else:
+            self.wait_shown(SHOW_LIMIT)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(self.exit_status)

@@ -190,11 +190,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """The command line: exit 0 done, 2 bad input, 3 an explained failure, 128+N stopped by signal N, 1 a crash.
+    """The command line: exit 0 done, 2 bad input, 3 an explained failure (a crash too, once rank 0 has shown its
+    traceback), 128+N stopped by signal N, 1 a crash that could not be shown.
 
     After a failure the process group may hold waits that never end: the process ends without
     tearing it down (see runtime/faults.py), and only rank 0 shows a crash's traceback (other
-    ranks' reach rank 0 through the store). Every path ends with ``os._exit`` once the output is
+    ranks' reach rank 0 through the store, see :func:`_crashed`). Every path ends with ``os._exit`` once the output is
     flushed: C++ objects of torch.distributed (store and Gloo threads) destroyed at interpreter
     exit sometimes abort the process ("terminate called without an active exception"), which
     would turn a finished run into a crash.
@@ -202,20 +203,42 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     from .console import use_console
     use_console()
     cfg = parse_args(argv)
-    import traceback
-
-    import torch.distributed as dist
-
     from .trainer import run
     try:
         run(cfg)
     except SystemExit as exc:
-        _end(exc.code if isinstance(exc.code, int) else 1)
+        _end(_explained(exc.code if isinstance(exc.code, int) else 1))
     except BaseException:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            traceback.print_exc()
-        _end(1)
+        _end(_crashed())
     _end(0)
+
+
+def _explained(code: int) -> int:
+    """Exit ``code``; a rank other than 0 stopping over a failure published through the store (exit 3) first
+    gives rank 0, the rank on screen, a few seconds to print it: the launcher stops every rank once one exits."""
+    import torch.distributed as dist
+    if code == 3 and dist.is_initialized() and dist.get_rank() != 0:
+        from ..runtime.faults import SHOW_LIMIT, watch
+        watch().wait_shown(SHOW_LIMIT)
+    return code
+
+
+def _crashed() -> int:
+    """A crash: its traceback goes to this rank's output (the run folder's ranks/ under launch/pipe.sh), and
+    the exit status is 3 when the failure is on screen: rank 0's own, or one published through the store as
+    it left the engine (rank 0 prints it with its traceback), else 1."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from ..runtime.faults import EXPLAINED, SHOW_LIMIT, watch
+    traceback.print_exc()
+    if not dist.is_initialized():
+        return 1
+    if dist.get_rank() == 0:
+        watch().mark_shown()
+        return EXPLAINED
+    return EXPLAINED if watch().wait_shown(SHOW_LIMIT) else 1
 
 
 def _end(code: int) -> NoReturn:

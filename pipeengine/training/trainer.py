@@ -308,7 +308,8 @@ class Trainer:
         except (PeerFailed, WaitTimeout) as exc:   # shown once per job: by rank 0, unless the reporter did
             self.state.status = f"failed: {str(exc).splitlines()[0]}"
             if self.rank == 0:
-                watch().print_once(f"{self._nl()}{type(exc).__name__}: {exc}")
+                text = str(exc) if isinstance(exc, PeerFailed) else f"{type(exc).__name__}: {exc}"
+                watch().print_once(self._nl() + text)   # PeerFailed says "error: rank N ... failed ..."
             code = watch().exit_status if isinstance(exc, PeerFailed) else EXPLAINED
         except ValueError as exc:   # a bad input met in the step (e.g. a stage that cannot take its input)
             self.state.status = f"failed: {exc}"

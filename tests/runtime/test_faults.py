@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -335,3 +336,28 @@ def test_store_traffic_per_rank_is_a_rate_not_a_per_step_cost(world8: WorldPool)
         assert ops_many < 60 / 4, (ops_many, "ops for 60 steps")
     print("store ops per rank:", [f"{ops / steps:.2f}/step, {ops / secs:.1f}/s" for (ops, secs), steps in
                                   zip(many, [60] * 8)])
+
+
+def test_a_rank_stopping_over_a_failure_waits_until_rank_0_printed_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher stops every rank once one exits: a rank ending over a published failure first waits (boundedly)
+    for it to be printed; a report printed by a rank other than 0 is also left where launch/pipe.sh shows it."""
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    from pipeengine.runtime.faults import PREFIX, Watch
+    store = dist.HashStore()
+    rank0, rank1 = Watch(store, 0, 2), Watch(store, 1, 2)
+    assert not rank1.wait_shown(5.0)                    # nothing published: no wait at all
+    store.set(PREFIX + "failed", json.dumps({"rank": 1}))
+    t0 = time.monotonic()
+    assert not rank1.wait_shown(0.3) and time.monotonic() - t0 < 2   # rank 0 never printed: bounded
+    threading.Timer(0.3, rank0.mark_shown).start()
+    assert rank1.wait_shown(5.0)
+    monkeypatch.setenv("PIPEENGINE_RANK_LOGS", str(tmp_path))
+    rank1.print_once("report\nlikely culprit: rank 0")  # printed already (by rank 0): not again
+    assert not list(tmp_path.iterdir())
+    Watch(dist.HashStore(), 1, 2).print_once("report\nlikely culprit: rank 0")
+    assert (tmp_path / "shown-by-rank1.txt").read_text() == "report\nlikely culprit: rank 0\n"

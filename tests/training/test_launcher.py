@@ -295,3 +295,68 @@ def test_pipe_sh_names_a_port_in_use_before_starting_anything() -> None:
 def _endless(tmp_path: Path, *flags: str) -> subprocess.Popen[str]:
     """An mlp run that would go on for a long time, printing a progress line every step."""
     return start_pipe_sh_job(tmp_path, 2, "--model", "mlp", "--steps", "100000", "--log-interval", "1", *flags)
+
+
+_RAISING_MODEL = '''
+import torch
+from torch import nn
+
+import pipeengine
+from pipeengine.training.models import load_model
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        return _Boom.apply(x)
+
+
+def model(preset, data):
+    built = load_model("mlp", None, None)
+    return pipeengine.Model(layers=[*built.layers[:-1], Boom, built.layers[-1]], loss_fn=built.loss_fn, data=built.data)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(150)
+def test_a_layer_raising_in_backward_shows_one_traceback_and_every_rank_keeps_its_own(tmp_path: Path) -> None:
+    """pp 2 x dp 2: the last stage's ranks raise in B0. On screen: rank 0's one line and the failing rank's
+    traceback, nothing of torchrun's; exit 3; each rank's own output in the run folder's ranks/."""
+    (tmp_path / "raising.py").write_text(_RAISING_MODEL)
+    proc = pipe_sh_job(tmp_path, 4, "--model", "raising:model", "--partition", "uniform", "--steps", "3",
+                       env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}, check=False)
+    err = _unprefixed(proc.stderr)
+    assert proc.returncode == 3, err[-3000:]
+    assert re.search(r"^error: rank [23] \(position 1, replica [01], step 0\) failed in B0: RuntimeError: injected "
+                     r"failure in backward\nTraceback \(most recent call last\):", err, re.M), err
+    assert err.count("Traceback") == 1 and "ChildFailedError" not in err and len(err.splitlines()) < 40, err
+    logs = {int(p.parent.name): p.read_text() for p in (tmp_path / "run" / "ranks").glob("*/attempt_0/*/stderr.log")}
+    assert sorted(logs) == [0, 1, 2, 3]
+    assert any("raise RuntimeError(\"injected failure in backward\")" in logs[r] for r in (2, 3)), logs
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(60)
+def test_pipe_sh_shows_a_report_made_by_a_rank_it_does_not_show(tmp_path: Path) -> None:
+    """Rank 0 stopped (SIGSTOP) or dead: another rank writes the wait-for report, into its own output and a file
+    pipe.sh shows at the end. Here a fake interpreter plays torchrun and that rank (no torch: quick)."""
+    fake = tmp_path / "fake-python"
+    fake.write_text('#!/bin/bash\n'
+                    'if [[ "$1" == -c ]]; then shift 2; exec "$@"; fi   # the wrapper: run the command\n'
+                    'echo "report: rank 0 said nothing; likely culprit: rank 0" '
+                    '> "$PIPEENGINE_RANK_LOGS/shown-by-rank1.txt"\n'
+                    'exit 3\n')
+    fake.chmod(0o755)
+    proc = pipe_sh_job(tmp_path, 2, env={"PYTHON": str(fake)}, check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.rstrip().endswith("report: rank 0 said nothing; likely culprit: rank 0"), proc.stderr
