@@ -7,11 +7,11 @@ through one of these, which gather every rank's outcome in one collective first.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["raise_if_any", "on_every_rank", "gathered", "decided_by_rank0"]
+__all__ = ["raise_if_any", "on_every_rank", "gathered", "decided_by_rank0", "settings_mismatch", "same_settings"]
 
 T = TypeVar("T")
 
@@ -69,3 +69,28 @@ def decided_by_rank0(fn: Callable[[], T], *, catch: tuple[type[BaseException], .
     if isinstance(answer[0], _Failed):
         raise raise_as(answer[0].message)
     return answer[0]   # type: ignore[no-any-return]
+
+
+def settings_mismatch(everyone: Sequence[Mapping[str, Any]]) -> str | None:
+    """Every rank's settings by name (flag or argument): None if all agree, else the first setting (by name) that
+    differs, with its value on each group of ranks."""
+    for key in sorted({k for settings in everyone for k in settings}):
+        values: dict[str, list[int]] = {}
+        for r, settings in enumerate(everyone):
+            values.setdefault(repr(settings.get(key)), []).append(r)
+        if len(values) > 1:
+            where = " but ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                                 for v, rs in values.items())
+            return (f"the ranks were given different {key}: {where}; every rank must be started with the same "
+                    f"settings")
+    return None
+
+
+def same_settings(settings: Mapping[str, Any], group: Any = None) -> None:
+    """One all-gather of every rank's ``settings``; a difference raises ValueError on every rank (see
+    :func:`settings_mismatch`)."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, dict(settings), group=group)
+    mismatch = settings_mismatch(everyone)
+    if mismatch:
+        raise ValueError(mismatch)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Costs, Schedule, compile_schedule, validate
-from .agree import decided_by_rank0
+from .agree import decided_by_rank0, settings_mismatch
 from .layers import LayerSpec, fingerprint, model_mismatch, sizing_layers
 from . import planner
 from .planner import Choice
@@ -130,15 +130,6 @@ def _check_same_everywhere(seed: int, sizing: Sequence[Any], agree: dict[str, An
     on every rank, naming what differs and where."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, ((seed, [fingerprint(m) for m in sizing]), agree))
-    mismatch = model_mismatch([model for model, _ in everyone])
+    mismatch = settings_mismatch([settings for _, settings in everyone]) or model_mismatch([m for m, _ in everyone])
     if mismatch:
         raise ValueError(mismatch)
-    for key in sorted({k for _, settings in everyone for k in settings}):
-        values: dict[str, list[int]] = {}
-        for r, (_, settings) in enumerate(everyone):
-            values.setdefault(repr(settings.get(key)), []).append(r)
-        if len(values) > 1:
-            where = " but ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
-                                 for v, rs in values.items())
-            raise ValueError(f"the ranks were given different {key}: {where}; every rank must be started "
-                             f"with the same settings")

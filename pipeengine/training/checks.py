@@ -4,6 +4,7 @@ and the value, and returns the value or raises a ValueError that names both."""
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any, Callable
 
@@ -81,3 +82,13 @@ def model_spec(name: str, value: Any) -> Any:
         return value
     raise ValueError(f"{name} {value!r} is not {', '.join(BUILTIN_MODELS)} or package.module:function (a function "
                      f"returning a pipeengine.Model)")
+
+
+def writable_folder(path: str, flag: str) -> None:
+    """``path`` exists (made if need be) and this process may write in it; else ValueError naming ``flag``."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path!r} cannot be created: {exc.strerror}; choose a writable folder") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} is not writable; choose a writable folder")

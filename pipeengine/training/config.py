@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from ..runtime.options import ON_NONFINITE, PRECISIONS, WIRE_MODES
 from ..runtime.topology import Topology
@@ -19,6 +19,9 @@ from ..schedule.builders import SCHEDULES
 from . import checks
 from .batch import Batch, split_global_batch
 from .checks import BUILTIN_MODELS, Check, at_least, finite
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "ParallelConfig", "ScheduleConfig", "OptimizerConfig",
            "PrecisionConfig", "RecomputeConfig", "SavingConfig", "FaultsConfig", "LoggingConfig", "Setting",
@@ -110,6 +113,13 @@ class OptimizerConfig:
     warmup: int = setting(5, "linear warmup steps", check=at_least(0))
     weight_decay: float = setting(0.0, "weight decay", check=finite(0))
     grad_clip: float | None = setting(1.0, "global grad-norm clip (<= 0: off)", check=checks.grad_clip)
+
+    def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer for ``params`` (the engine's factory), at the peak learning rate."""
+        import torch   # not at the top: --help stays quick
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay, momentum=0.9)
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
 
 
 @dataclass
@@ -274,6 +284,11 @@ class Config:
     def flat(self) -> dict[str, Any]:
         """Every setting by its flat key (the flag's name, ``micro_batch_size``)."""
         return {s.key: s.get(self) for s in settings()}
+
+    def computation(self) -> dict[str, Any]:
+        """The settings every rank must have alike, by flag: all but how the run is shown (the logging section)
+        and how fast its data is read (``--data-workers``)."""
+        return {s.flag: s.get(self) for s in settings() if s.section != "logging" and s.flag != "--data-workers"}
 
 
 # ------------------------------------------------------------------ the settings as a flat list

@@ -8,12 +8,14 @@ the examples one process sees with the same global batch.
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Any, Iterator, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-__all__ = ["Source", "global_batch_indices", "shard_microbatches", "batches", "split_microbatches", "SourceDataset",
+__all__ = ["Source", "data_digest",
+           "global_batch_indices", "shard_microbatches", "batches", "split_microbatches", "SourceDataset",
            "StepSampler", "step_loader"]
 
 
@@ -127,3 +129,28 @@ def step_loader(source: Source, seed: int, replica: int, replicas: int, global_b
                           start, steps)
     return DataLoader(SourceDataset(source, "train"), batch_sampler=sampler, num_workers=workers,
                       pin_memory=pin_memory, prefetch_factor=2 if workers else None, persistent_workers=bool(workers))
+
+
+def data_digest(source: Source) -> str:
+    """What the ranks compare to know they read the same data: the example counts of both splits and a
+    checksum of the first and last training examples (a path can name other files on another node)."""
+    n, v = source.num_examples("train"), source.num_examples("val")
+    crc = 0
+    for i in sorted({0, n - 1} if n else set()):
+        crc = _crc(source.example("train", i), crc)
+    return f"{n:,} training and {v:,} validation examples, first and last crc32 {crc:08x}"
+
+
+def _crc(x: Any, crc: int) -> int:
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().clone()   # a storage of its own: exactly its bytes
+        return zlib.crc32(bytes(t.untyped_storage()), zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc))
+    if isinstance(x, (tuple, list)):
+        for item in x:
+            crc = _crc(item, crc)
+        return crc
+    if isinstance(x, dict):
+        for key in sorted(x, key=str):
+            crc = _crc(x[key], zlib.crc32(str(key).encode(), crc))
+        return crc
+    return zlib.crc32(repr(x).encode(), crc)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.agree import on_every_rank
+from ..runtime.agree import on_every_rank, same_settings
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.numerics import NonFiniteError
@@ -25,10 +25,10 @@ from ..runtime.topology import Topology
 from ..schedule import theoretical_bubble
 from .checkpoint import AsyncSaver, CheckpointError, check_shared, save
 from .cli import to_toml
-from .checks import partition_arg
+from .checks import partition_arg, writable_folder
 from .config import Config
 from .console import link_rank_logs
-from .data import batches, split_microbatches, step_loader
+from .data import batches, data_digest, split_microbatches, step_loader
 from .distributed import init_distributed
 from .models import Model, load_model
 from .report import oversubscribed, progress_line, summary_text, write_json
@@ -54,15 +54,6 @@ class RunState:
     def done(self) -> int:
         """Steps finished so far (resumed ones included)."""
         return self.start + len(self.losses)
-
-
-def _check_writable(path: str, flag: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{flag} {path!r} cannot be created: {exc.strerror}; choose a writable folder") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path!r} is not writable; choose a writable folder")
 
 
 class Trainer:
@@ -96,11 +87,12 @@ class Trainer:
                                  f"pp={topo.pp} x chunks={cfg.schedule.chunks} needs {stages} stages; use fewer "
                                  f"stages or a deeper preset")
             if self.rank == 0:   # only rank 0 writes logs
-                _check_writable(cfg.logging.dir, "--log-dir")
+                writable_folder(cfg.logging.dir, "--log-dir")
             return topo, model
 
-        # one rank's bad input (a local path) is every rank's error
+        # one rank's bad input (a local path) is every rank's error; then every setting and the data compared
         self.topo, self.model = on_every_rank(check)
+        same_settings({**cfg.computation(), "data (--data)": data_digest(self.model.data)})
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
             check_shared(cfg.saving.dir)   # checkpoints need one folder every node sees
         point = pick_checkpoint(cfg, self.topo, len(self.model.layers))
@@ -116,14 +108,6 @@ class Trainer:
 
     def _engine(self, point: ResumePoint | None) -> PipelineEngine:
         cfg, model = self.cfg, self.model
-        opt_cls = torch.optim.AdamW if cfg.optimizer.name == "adamw" else torch.optim.SGD
-
-        def make_opt(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-            kw: dict[str, Any] = {"lr": cfg.optimizer.lr, "weight_decay": cfg.optimizer.weight_decay}
-            if cfg.optimizer.name == "sgd":
-                kw["momentum"] = 0.9
-            return opt_cls(ps, **kw)
-
         partition, costs = partition_arg(cfg.schedule.partition), None
         if point is not None and cfg.schedule.partition == "profile" and point.bounds is not None:
             # the checkpoint's measured bounds and schedule costs: the resumed run computes as the first did
@@ -134,7 +118,7 @@ class Trainer:
                              self.batch.micro)[0]
         cap = cfg.schedule.memory_cap
         return PipelineEngine(
-            model.layers, model.loss_fn, make_opt, topology=self.topo, schedule=cfg.schedule.name,
+            model.layers, model.loss_fn, cfg.optimizer.build, topology=self.topo, schedule=cfg.schedule.name,
             microbatches=self.batch.microbatches, chunks=cfg.schedule.chunks, seed=cfg.model.seed,
             tied=[list(g) for g in model.tied], device=self.device, timeout=cfg.faults.timeout,
             grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,

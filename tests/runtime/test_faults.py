@@ -85,6 +85,15 @@ def mismatch_worker(rank: int, world: int) -> list[str]:
             out.append("built")
         except ValueError as exc:
             out.append(str(exc))
+    # the same model, another schedule or partition on one rank: named before any rank profiles or builds
+    for kw in ({"schedule": "gpipe" if rank else "1f1b"}, {"partition": "uniform" if rank else "profile"}):
+        try:
+            PipelineEngine([nn.Linear(4, 4) for _ in range(4)], nn.functional.mse_loss,
+                           lambda ps: torch.optim.SGD(ps, lr=0.1), sample=(torch.randn(2, 4), torch.randn(2, 4)),
+                           **kw)
+            out.append("built")
+        except ValueError as exc:
+            out.append(str(exc))
     # a stage whose output the next stage cannot take: named on every rank, no hang
     layers = [nn.Linear(4, 6), nn.Linear(4, 4)]
     engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
@@ -105,10 +114,15 @@ def test_ranks_with_different_models_are_told_which_layer_differs() -> None:
     assert r0[0].startswith("the ranks were given layer lists of different length: 3 on rank 0 but 4 on rank 1")
     assert r0[1].startswith("the ranks were given different models: layer 1 is Linear(weight (4, 4), bias (4,)) on "
                             "rank 0 but Linear(weight (5, 4), bias (5,)) on rank 1")
-    assert r1[2].startswith("LayerError: stage 1: layer 1 (Linear) cannot take its input (2, 6) float32: mat1 and "
-                            "mat2 shapes cannot be multiplied"), r1[2]
-    assert "(that input is the output of stage 0, whose last layer is layer 0)" in r1[2]
-    assert r0[2].startswith("PeerFailed: error: rank 1 (position 1, replica 0, step 0) failed in F0: LayerError"), r0
+    assert r0[2:4] == r1[2:4] == [
+        "the ranks were given different schedule: '1f1b' on rank 0 but 'gpipe' on rank 1; every rank must be "
+        "started with the same settings",
+        "the ranks were given different partition: 'profile' on rank 0 but 'uniform' on rank 1; every rank must be "
+        "started with the same settings"]
+    assert r1[4].startswith("LayerError: stage 1: layer 1 (Linear) cannot take its input (2, 6) float32: mat1 and "
+                            "mat2 shapes cannot be multiplied"), r1[4]
+    assert "(that input is the output of stage 0, whose last layer is layer 0)" in r1[4]
+    assert r0[4].startswith("PeerFailed: error: rank 1 (position 1, replica 0, step 0) failed in F0: LayerError"), r0
 
 
 def nan_worker(rank: int, world: int, policy: str) -> dict[str, Any]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -145,3 +147,67 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == "error: --data '/nonexistent/corpus.txt' does not exist; give a text file or a " \
                                   "folder of text files", proc.stderr[-2000:]
+
+
+_RANK_DATA = '''
+import torch.distributed as dist
+
+from pipeengine.training.models import load_model
+
+
+class Shifted:
+    """The mlp's data, every value moved by the rank: the same path, other bytes (as on another node)."""
+
+    def __init__(self, data, shift):
+        self.data, self.shift = data, shift
+
+    def num_examples(self, split):
+        return self.data.num_examples(split)
+
+    def example(self, split, index):
+        x, y = self.data.example(split, index)
+        return x + self.shift, y
+
+
+def model(preset, data):
+    built = load_model("mlp", None, None)
+    built.data = Shifted(built.data, float(dist.get_rank()))
+    return built
+'''
+
+
+def _differing(rank: int, world: int, common: list[str], rank1: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        run(parse_args([*common, *(rank1 if rank == 1 else [])]))
+    return int(exc.value.code or 0), err.getvalue()
+
+
+@pytest.mark.timeout(150)
+def test_ranks_started_with_different_settings_or_data_are_told_which(tmp_path: Path, world2: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 given another value: one line on rank 0 naming the setting, both values and the ranks, exit 2,
+    before anything else runs (no profiling, no checkpoint folder probe, no hang)."""
+    (tmp_path / "rankdata.py").write_text(_RANK_DATA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["--model", "mlp", "--steps", "2", "--pp", "2", "--log-dir", str(tmp_path), "--quiet"]
+    rows = [
+        (["--lr", "0.1"], "--lr: 0.003 on rank 0 but 0.1 on rank 1"),
+        (["--partition", "uniform"], "--partition: 'profile' on rank 0 but 'uniform' on rank 1"),
+        (["--precision", "bf16"], "--precision: 'fp32' on rank 0 but 'bf16' on rank 1"),
+        (["--save-interval", "1"], "--save-interval: 0 on rank 0 but 1 on rank 1"),
+    ]
+    for rank1, message in rows:
+        (code0, err0), (code1, err1) = world2.run(_differing, common, rank1)
+        assert (code0, code1) == (2, 2), (rank1, err0, err1)
+        assert err0 == f"error: the ranks were given different {message}; every rank must be started with the same " \
+                       f"settings\n", (rank1, err0)
+        assert err1 == ""   # said once, by rank 0
+    common[1] = "rankdata:model"   # the same settings, other bytes behind them
+    (code0, err0), _ = world2.run(_differing, common, [])
+    assert code0 == 2 and re.fullmatch(
+        r"error: the ranks were given different data \(--data\): '3,584 training and 512 validation examples, first "
+        r"and last crc32 [0-9a-f]{8}' on rank 0 but '3,584 training and 512 validation examples, first and last "
+        r"crc32 [0-9a-f]{8}' on rank 1; every rank must be started with the same settings\n", err0), err0
