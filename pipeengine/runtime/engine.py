@@ -116,7 +116,7 @@ class PipelineEngine:
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
         check_engine_arguments(layers, loss_fn, optimizer, precision, recompute, wire, on_nonfinite, timeout,
-                               grad_clip)
+                               grad_clip, seed)
         self._place(topology, device)
         if plan is not None and (plan.schedule.pp != self.topology.pp or plan.num_layers != len(layers)):
             raise ValueError(f"the plan is for pp={plan.schedule.pp} and {plan.num_layers} layers, but the topology "
@@ -140,6 +140,9 @@ class PipelineEngine:
         self.loss_fn = loss_fn
         self._build(layers, tied, seed, recompute)
         self.optimizer = optimizer(self.parameters)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):   # alike on every rank: no collective yet
+            raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer (got "
+                            f"{type(self.optimizer).__name__}); e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
         self._setup_sync(bucket_mb, overlap_grad_sync)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)

@@ -60,7 +60,7 @@ def parse_recompute(spec: str, name: str = "recompute") -> int | None:
 
 
 def check_engine_arguments(layers: Any, loss_fn: Any, optimizer: Any, precision: str, recompute: str, wire: str,
-                           on_nonfinite: str, timeout: float | None, grad_clip: float | None) -> None:
+                           on_nonfinite: str, timeout: float | None, grad_clip: float | None, seed: Any = 0) -> None:
     """Every argument a user can get wrong, before any collective (so the error is the same on every rank)."""
     if not isinstance(layers, Sequence) or isinstance(layers, (str, bytes)) or not layers:
         raise TypeError(f"layers must be a non-empty list of nn.Modules or factories (got {type(layers).__name__})")
@@ -75,3 +75,21 @@ def check_engine_arguments(layers: Any, loss_fn: Any, optimizer: Any, precision:
     parse_recompute(recompute)
     check_timeout("timeout", timeout)
     check_grad_clip("grad_clip", grad_clip)
+    _check_no_shared_parameters(layers)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise TypeError(f"seed must be a whole number in [0, 2**63) (got {seed!r})")
+
+
+def _check_no_shared_parameters(layers: Sequence[Any]) -> None:
+    """A module object (or one parameter) at two layers would be split into two copies once the stages are
+    built on different ranks: refused, naming both layers and the way to share weights."""
+    owner: dict[int, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        for name, p in (layer.named_parameters() if hasattr(layer, "named_parameters") else ()):
+            first = owner.setdefault(id(p), (i, name))
+            if first[0] != i:
+                what = (f"the same module object ({type(layer).__name__})" if layer is layers[first[0]]
+                        else f"one parameter ({first[1]!r} of layer {first[0]}, {name!r} of layer {i})")
+                raise ValueError(f"layers {first[0]} and {i} share {what}: stages on different ranks would train "
+                                 f"two copies; give each layer its own module, and declare weights meant to be one "
+                                 f"with tied=[[({first[0]}, {first[1]!r}), ({i}, {name!r})]]")

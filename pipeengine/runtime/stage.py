@@ -293,10 +293,15 @@ class Stage:
 
     def _loss(self, mb: int, out: Any, target: Any, train: bool, keep_output: bool) -> Tensors:
         """The last stage's loss of microbatch ``mb``, kept (divided by the microbatch count); the backward roots."""
-        loss = self.loss_fn(to_float(out), target)
+        out_f = to_float(out)
+        loss = self.loss_fn(out_f, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar Tensor, got "
                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        if train and not loss.requires_grad and any(t.requires_grad for t in floating(out_f)):
+            raise ValueError("loss_fn returned a loss without a gradient path to the model's output (detached, "
+                             "made with .item() or torch.tensor(...), or under torch.no_grad()): nothing would "
+                             "train; compute the loss from the output with differentiable torch operations")
         if keep_output:
             self.outputs[mb] = detach(out)
         loss = loss.reshape(()) / self.microbatches

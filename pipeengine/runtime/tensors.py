@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
+
 from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["flat", "floating", "tree_map", "detach", "to_device", "to_float", "device_of", "describe_value"]
+__all__ = ["flat", "floating", "tree_map", "detach", "to_device", "to_float", "device_of", "describe_value", "crc32"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -59,3 +61,11 @@ def describe_value(x: Any) -> str:
     """Shapes and dtypes of the tensors in ``x``, e.g. ``(4, 16) float32``."""
     parts = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in flat(x)]
     return "[" + ", ".join(parts) + "]" if len(parts) != 1 else parts[0]
+
+
+def crc32(t: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a tensor's dtype, shape and bytes (on the host: a device tensor is copied there)."""
+    t = t.detach().cpu()
+    if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)   # a storage of its own: exactly its bytes
+    return zlib.crc32(bytes(t.untyped_storage()), zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc))

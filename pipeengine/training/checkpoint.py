@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..runtime.agree import on_every_rank, raise_if_any
+from .checksums import changed_tensor, checksums, gathered_checksums
 
 if TYPE_CHECKING:
     from ..runtime.engine import PipelineEngine
@@ -136,9 +137,11 @@ def _failed(tmp: str, exc: BaseException) -> str:
             f"checkpoints are intact (disk full or not writable?)")
 
 
-def _publish(engine: PipelineEngine, tmp: str, final: str, info: dict[str, Any], keep: int | None) -> None:
-    """After every rank wrote its shard: the manifest, then one rename makes the checkpoint visible."""
-    dist.barrier()
+def _publish(engine: PipelineEngine, tmp: str, final: str, info: dict[str, Any], keep: int | None,
+             sums: dict[str, str]) -> None:
+    """After every rank wrote its shard: the manifest (with every rank's tensor checksums), then one rename
+    makes the checkpoint visible."""
+    info = {**info, "checksums": gathered_checksums(sums)}   # also the barrier: every rank's write is done
     error = None
     if engine.rank == 0:
         try:
@@ -199,7 +202,7 @@ def save(engine: PipelineEngine, directory: str, step: int | None = None, *, kee
         dcp_save(state, checkpoint_id=tmp)
     except (Exception, CheckpointException) as exc:   # DCP raises every rank's write errors on all ranks
         raise CheckpointError(_failed(tmp, exc)) from None
-    _publish(engine, tmp, final, _manifest(engine, step, extra), keep)
+    _publish(engine, tmp, final, _manifest(engine, step, extra), keep, checksums(state))
     return final
 
 
@@ -229,7 +232,7 @@ class AsyncSaver:
         group, asking = dist.new_group(backend="gloo", timeout=limit), dist.new_group(backend="gloo", timeout=limit)
         assert isinstance(group, dist.ProcessGroup) and isinstance(asking, dist.ProcessGroup)   # every rank's
         self.group, self._asking = group, asking
-        self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None] | None = None
+        self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None, dict[str, str]] | None = None
 
     def poll(self) -> str | None:
         """Make the save in flight visible if every rank's write has completed; its folder, else None."""
@@ -245,20 +248,23 @@ class AsyncSaver:
         step = engine.step_count if step is None else step
         self.finish()
         tmp, final = _begin(engine, directory, step)
-        future = _local(tmp, lambda: async_save(_state(engine, step), checkpoint_id=tmp,
-                                                process_group=self.group))   # copies, then a thread writes
-        self._pending = (future, engine, tmp, final, _manifest(engine, step, extra), keep)
+
+        def stage() -> tuple[Any, dict[str, str]]:   # copies, then a thread writes; the copy is what is summed
+            state = _state(engine, step)
+            return async_save(state, checkpoint_id=tmp, process_group=self.group), checksums(state)
+        future, sums = _local(tmp, stage)
+        self._pending = (future, engine, tmp, final, _manifest(engine, step, extra), keep, sums)
         return final
 
     def finish(self) -> str | None:
         """Wait for the save in flight (if any) and make it visible; its folder."""
         if self._pending is None:
             return None
-        future, engine, tmp, final, info, keep = self._pending
+        future, engine, tmp, final, info, keep, sums = self._pending
         self._pending = None
         on_every_rank(future.result, catch=(Exception, CheckpointException), raise_as=CheckpointError,
                       describe=lambda exc: _failed(tmp, exc))
-        _publish(engine, tmp, final, info, keep)
+        _publish(engine, tmp, final, info, keep, sums)
         return final
 
 
@@ -276,9 +282,11 @@ def complete_checkpoints(directory: str) -> list[str]:
 
 
 def latest(directory: str) -> tuple[str | None, list[str]]:
-    """(the newest complete checkpoint or None, the partial ones: crashed saves, ignored)."""
-    partial = sorted(os.path.join(directory, n) for n in os.listdir(directory)
-                     if n.startswith(TMP)) if os.path.isdir(directory) else []
+    """(the newest complete checkpoint or None, the partial ones, ignored: crashed saves, and ``step-`` folders
+    without a manifest, e.g. an unfinished copy)."""
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    partial = [os.path.join(directory, n) for n in names if n.startswith(TMP)] + [
+        os.path.join(directory, n) for n in names if n.startswith(PREFIX) and not _complete(os.path.join(directory, n))]
     done = complete_checkpoints(directory)
     return (done[-1] if done else None), partial
 
@@ -357,6 +365,9 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
     except (Exception, CheckpointException) as exc:  # DCP gathers every rank's read errors, raises them on all
         raise CheckpointError(f"checkpoint {path!r} could not be read (damaged or truncated file?): "
                               f"{str(exc).splitlines()[0][:300]}") from None
+    as_saved = {k: v for k, v in sd.items()   # read in the dtype it was written in: comparable with its checksum
+                if isinstance(v, torch.Tensor) and (saved.get(k) or (0, None))[1] == v.dtype}
+    raise_if_any(changed_tensor(as_saved, info.get("checksums"), path), CheckpointError)
     engine.load_state_dict(sd, fp16_scale=info.get("precision") == "fp16")
     info["step"] = int(sd["train.step"])
     info["path"] = path

@@ -14,6 +14,8 @@ from typing import Any, Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from ..runtime.tensors import crc32
+
 __all__ = ["Source", "data_digest",
            "global_batch_indices", "shard_microbatches", "batches", "split_microbatches", "SourceDataset",
            "StepSampler", "step_loader"]
@@ -143,8 +145,7 @@ def data_digest(source: Source) -> str:
 
 def _crc(x: Any, crc: int) -> int:
     if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().clone()   # a storage of its own: exactly its bytes
-        return zlib.crc32(bytes(t.untyped_storage()), zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc))
+        return crc32(x, crc)
     if isinstance(x, (tuple, list)):
         for item in x:
             crc = _crc(item, crc)

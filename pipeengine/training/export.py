@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .checkpoint import CheckpointError, manifest, metadata, resolve
+from .checksums import changed_tensor
 
 __all__ = ["export", "describe", "main"]
 
@@ -37,6 +38,9 @@ def export(path: str, out: str) -> int:
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path!r} could not be read (damaged or truncated file?): "
                               f"{str(exc).splitlines()[0][:300]}") from None
+    why = changed_tensor(sd, manifest(path).get("checksums"), path)
+    if why:
+        raise CheckpointError(why)
     plain = {k[len("layers."):]: v for k, v in sorted(sd.items(), key=lambda kv: _layer_order(kv[0]))}
     tmp = out + ".tmp"
     torch.save(plain, tmp)

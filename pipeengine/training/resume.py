@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..runtime.agree import decided_by_rank0
 from ..runtime.topology import Topology
 from ..schedule import Costs
-from .checkpoint import CheckpointError, latest, load, manifest, resolve
+from .checkpoint import MANIFEST, TMP, CheckpointError, latest, load, manifest, resolve
 from .batch import Batch, resume_batch
 from .config import Config, flat_config
 
@@ -62,7 +63,9 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
     if attempt > 0 or resume == "latest":
         found, partial = latest(cfg.saving.dir)
         for p in partial:
-            print(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
+            why = "a save that did not finish" if os.path.basename(p).startswith(TMP) else \
+                f"it has no {MANIFEST}: a save or copy that did not finish"
+            print(f"ignoring incomplete checkpoint {p} ({why})")
         if found is not None and (resume == "latest" or run_id in (None, "none")   # (no id: trust it)
                                   or manifest(found).get("run_id") == run_id):
             path = found
@@ -83,8 +86,24 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
             and info.get("num_layers") == num_layers and isinstance(info.get("bounds"), list))
     if not same:
         return ResumePoint(path, batch=batch)
-    costs = info.get("schedule_costs") if info.get("schedule") == cfg.schedule.name else None
-    return ResumePoint(path, list(info["bounds"]), Costs(*costs) if costs else None, batch)
+    costs = _saved_costs(info, path) if info.get("schedule") == cfg.schedule.name else None
+    return ResumePoint(path, list(info["bounds"]), costs, batch)
+
+
+def _saved_costs(info: dict[str, Any], path: str) -> Costs | None:
+    """The manifest's ``schedule_costs`` ([f, b, w], durations >= 0), or None."""
+    costs = info.get("schedule_costs")
+    if costs is None:
+        return None
+
+    def duration(x: Any) -> bool:
+        return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x < math.inf
+
+    if not isinstance(costs, list) or len(costs) != 3 or not all(map(duration, costs)):
+        raise CheckpointError(f"checkpoint {path!r} is damaged: its {MANIFEST} has schedule_costs {costs!r}, not "
+                              f"[f, b, w] (durations >= 0); resume from another checkpoint, or pass --partition with "
+                              f"explicit bounds")
+    return Costs(*costs)
 
 
 def _saved_batch(info: dict[str, Any]) -> Batch | None:

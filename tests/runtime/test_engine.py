@@ -144,3 +144,59 @@ def test_replicas_hold_identical_parameters_and_positions_different_ones(request
                 assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
             else:
                 assert not set(a["params"]) & set(b["params"])
+
+
+def _bad_engine_calls(rank: int, world: int) -> list[str]:
+    from torch import nn
+
+    from pipeengine import PipelineEngine
+
+    def sgd(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(ps, lr=0.1)
+
+    shared = nn.Linear(4, 4)
+    inner = nn.Linear(4, 4)
+    calls: list[tuple[list[nn.Module], object, object, dict[str, object]]] = [
+        ([nn.Linear(4, 4)], nn.functional.mse_loss, torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), {}),
+        ([nn.Linear(4, 4)], nn.functional.mse_loss, lambda ps: None, {}),
+        ([nn.Linear(4, 4)], None, sgd, {}),
+        ([nn.Linear(4, 4)], nn.functional.mse_loss, sgd, {"seed": "abc"}),
+        ([nn.Linear(4, 4)], nn.functional.mse_loss, sgd, {"grad_clip": -1}),
+        ([nn.Linear(4, 4)], nn.functional.mse_loss, sgd, {"timeout": float("nan")}),
+        ([shared, nn.ReLU(), shared], nn.functional.mse_loss, sgd, {}),
+        ([nn.Sequential(inner), nn.ReLU(), nn.Sequential(nn.Tanh(), inner)], nn.functional.mse_loss, sgd, {}),
+        ([nn.Linear(4, 4)], lambda out, y: nn.functional.mse_loss(out, y).detach(), sgd, {}),
+        ([nn.Linear(4, 4)], lambda out, y: torch.tensor(nn.functional.mse_loss(out, y).item()), sgd, {}),
+    ]
+    out = []
+    for layers, loss_fn, opt, kw in calls:
+        try:
+            engine = PipelineEngine(layers, loss_fn, opt, microbatches=2, **kw)  # type: ignore[arg-type]
+            engine.train_batch(iter([(torch.randn(2, 4), torch.randn(2, 4))] * 2))
+            out.append("trained")
+        except (TypeError, ValueError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_bad_engine_arguments_are_named_before_anything_runs(request: pytest.FixtureRequest) -> None:
+    """What a user of the Python API can get wrong: a TypeError or ValueError naming the argument and the fix."""
+    got = request.getfixturevalue("world1").run(_bad_engine_calls)[0]
+    expect = [
+        "TypeError: optimizer must be a factory params -> Optimizer, e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)",
+        "TypeError: optimizer(params) must return a torch.optim.Optimizer (got NoneType)",
+        "TypeError: loss_fn must be a function (output, target) -> scalar Tensor (got None)",
+        "TypeError: seed must be a whole number in [0, 2**63) (got 'abc')",
+        "ValueError: grad_clip must be a positive, finite gradient norm (got -1)",
+        "ValueError: timeout must be a positive number of seconds (got nan)",
+        "ValueError: layers 0 and 2 share the same module object (Linear): stages on different ranks would train two "
+        "copies; give each layer its own module, and declare weights meant to be one with "
+        "tied=[[(0, 'weight'), (2, 'weight')]]",
+        "ValueError: layers 0 and 2 share one parameter ('0.weight' of layer 0, '1.weight' of layer 2)",
+        "ValueError: loss_fn returned a loss without a gradient path to the model's output",
+        "ValueError: loss_fn returned a loss without a gradient path to the model's output",
+    ]
+    assert len(got) == len(expect)
+    for g, e in zip(got, expect):
+        assert g.startswith(e), (g, e)

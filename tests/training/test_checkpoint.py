@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -434,3 +436,62 @@ def test_resuming_under_another_layout_keeps_the_global_batch(tmp_path: Path, wo
     assert "resuming with the checkpoint's global batch 32 = dp 2 x 2 microbatches x 8 (it was 4 x 8 per " \
            "replica)" in resumed_dp2["text"]
     assert "global batch" not in resumed_pp4["text"].split("resumed from")[0]   # 4 x 8 at dp 1 still: no note
+
+
+@pytest.mark.timeout(120)
+def test_changed_bytes_name_the_tensor_and_unusable_folders_are_said(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A bit flipped anywhere in a shard either changes nothing that is read or is an error (never weights
+    changed without a word); a changed weight is named. A newer step folder without its manifest is passed over
+    with a line; a manifest's schedule_costs that are not [f, b, w] are named."""
+    d = tmp_path / "ck"
+    flags = ["--model", "mlp", "--steps", "2", "--log-dir", str(tmp_path / "runs"), "--quiet", "--eval-interval", "0"]
+    run(parse_args([*flags, "--save-interval", "2", "--save-dir", str(d), "--partition", "uniform"]))
+    ck = Path(resolve(str(d)))
+    assert export(str(ck), str(tmp_path / "good.pt")) > 0
+    good = torch.load(tmp_path / "good.pt")
+    shard = next(ck.glob("*.distcp"))
+    original = shard.read_bytes()
+    named: list[int] = []
+    for offset in range(37, len(original), max(1, len(original) // 40)):
+        damaged = bytearray(original)
+        damaged[offset] ^= 1 << (offset % 8)
+        shard.write_bytes(bytes(damaged))
+        try:
+            export(str(ck), str(tmp_path / "out.pt"))
+        except CheckpointError as exc:
+            if "does not match its checksum" in str(exc):
+                named.append(offset)
+            continue
+        loaded = torch.load(tmp_path / "out.pt")
+        assert all(torch.equal(loaded[k], good[k]) for k in good), offset   # a flip outside what is read
+    assert len(named) >= 5, named   # the others hit headers (an error) or bytes nothing reads
+    # resuming from a changed weight: one line naming it
+    damaged = bytearray(original)
+    damaged[named[0]] ^= 1 << (named[0] % 8)
+    shard.write_bytes(bytes(damaged))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run(parse_args([*flags, "--steps", "3", "--resume", str(ck)]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and re.fullmatch(r"error: checkpoint '.*' is damaged: [\w.]+ does not match its "
+                                                r"checksum \(written [0-9a-f]{8}, read [0-9a-f]{8}\): the file changed "
+                                                r"after it was saved; resume from another checkpoint\n", err), err
+    shard.write_bytes(original)
+    # a newer step folder without a manifest (an unfinished copy): passed over, and said
+    newer = d / "step-00000009"
+    newer.mkdir()
+    (newer / ".metadata").write_bytes(b"")
+    run(parse_args([*flags, "--steps", "3", "--resume", "latest", "--save-dir", str(d)]))
+    out = capsys.readouterr().out
+    assert f"ignoring incomplete checkpoint {newer} (it has no manifest.json: a save or copy that did not finish)" \
+        in out, out
+    # schedule_costs that are no [f, b, w]
+    manifest = ck / "manifest.json"
+    info = json.loads(manifest.read_text())
+    for costs in ("abc", [1], [1, -1, 2], [1, 2, "x"]):
+        manifest.write_text(json.dumps({**info, "schedule": "1f1b", "schedule_costs": costs}))
+        with pytest.raises(SystemExit) as exc:
+            run(parse_args([*flags, "--steps", "3", "--resume", str(ck), "--partition", "profile"]))
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"has schedule_costs {costs!r}, not [f, b, w]" in err, (costs, err)
