@@ -28,7 +28,7 @@ from .layers import LayerSpec
 from .local import LocalModel
 from .microbatches import read_microbatches
 from .numerics import LossScale, NonFiniteError, nonfinite_message, stop_signal
-from .options import STARTUP_TIMEOUT, check_engine_arguments
+from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
 from .plan import Plan, make_plan
 from .stage import LayerChain, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
@@ -139,10 +139,7 @@ class PipelineEngine:
         self.schedule, self.microbatches = self.plan.schedule, self.plan.schedule.microbatches
         self.loss_fn = loss_fn
         self._build(layers, tied, seed, recompute)
-        self.optimizer = optimizer(self.parameters)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):   # alike on every rank: no collective yet
-            raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer (got "
-                            f"{type(self.optimizer).__name__}); e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
+        self.optimizer = checked_optimizer(optimizer(self.parameters))
         self._setup_sync(bucket_mb, overlap_grad_sync)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)

@@ -10,7 +10,7 @@ import math
 from typing import Any, Sequence
 
 __all__ = ["PRECISIONS", "WIRE_MODES", "ON_NONFINITE", "STARTUP_TIMEOUT", "check_choice", "check_timeout",
-           "check_grad_clip", "parse_recompute", "check_engine_arguments"]
+           "check_grad_clip", "parse_recompute", "check_engine_arguments", "checked_optimizer"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")   # fp32 throughout; bf16 autocast; fp16 autocast with a loss scale (CUDA)
 WIRE_MODES = ("tags", "strict")         # Gloo: a tag per transfer, or NCCL's per-peer order emulated
@@ -93,3 +93,12 @@ def _check_no_shared_parameters(layers: Sequence[Any]) -> None:
                 raise ValueError(f"layers {first[0]} and {i} share {what}: stages on different ranks would train "
                                  f"two copies; give each layer its own module, and declare weights meant to be one "
                                  f"with tied=[[({first[0]}, {first[1]!r}), ({i}, {name!r})]]")
+
+
+def checked_optimizer(optimizer: Any) -> Any:
+    """What the optimizer factory returned, if it is an Optimizer (alike on every rank: no collective yet)."""
+    import torch
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer (got {type(optimizer).__name__}); "
+                        f"e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
+    return optimizer
