@@ -176,9 +176,11 @@ def model(preset, data):
 '''
 
 
-def _differing(rank: int, world: int, common: list[str], rank1: list[str]) -> tuple[int, str]:
+def _differing(rank: int, world: int, common: list[str], rank1: list[str], path: str = "") -> tuple[int, str]:
     import contextlib
     import io
+    if path and path not in sys.path:
+        sys.path.insert(0, path)   # the pool's ranks were started before this test
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
         run(parse_args([*common, *(rank1 if rank == 1 else [])]))
@@ -186,12 +188,10 @@ def _differing(rank: int, world: int, common: list[str], rank1: list[str]) -> tu
 
 
 @pytest.mark.timeout(150)
-def test_ranks_started_with_different_settings_or_data_are_told_which(tmp_path: Path, world2: Any,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranks_started_with_different_settings_or_data_are_told_which(tmp_path: Path, world2: Any) -> None:
     """Rank 1 given another value: one line on rank 0 naming the setting, both values and the ranks, exit 2,
     before anything else runs (no profiling, no checkpoint folder probe, no hang)."""
     (tmp_path / "rankdata.py").write_text(_RANK_DATA)
-    monkeypatch.syspath_prepend(str(tmp_path))
     common = ["--model", "mlp", "--steps", "2", "--pp", "2", "--log-dir", str(tmp_path), "--quiet"]
     rows = [
         (["--lr", "0.1"], "--lr: 0.003 on rank 0 but 0.1 on rank 1"),
@@ -206,7 +206,7 @@ def test_ranks_started_with_different_settings_or_data_are_told_which(tmp_path: 
                        f"settings\n", (rank1, err0)
         assert err1 == ""   # said once, by rank 0
     common[1] = "rankdata:model"   # the same settings, other bytes behind them
-    (code0, err0), _ = world2.run(_differing, common, [])
+    (code0, err0), _ = world2.run(_differing, common, [], str(tmp_path))
     assert code0 == 2 and re.fullmatch(
         r"error: the ranks were given different data \(--data\): '3,584 training and 512 validation examples, first "
         r"and last crc32 [0-9a-f]{8}' on rank 0 but '3,584 training and 512 validation examples, first and last "
