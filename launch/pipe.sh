@@ -122,6 +122,19 @@ if (( NNODES > 1 )); then
         echo "pipe.sh: port $MASTER_PORT on $MASTER_ADDR is already in use; set MASTER_PORT to a free port" \
              "(the same on every node)" >&2; exit 2
     fi
+    if (( NODE_RANK > 0 )); then   # node 0 hosts the rendezvous: wait for it here, and say so if it never comes
+        WAITED=0
+        until (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; do
+            if (( WAITED >= ${RDZV_TIMEOUT:-120} )); then
+                echo "pipe.sh: node 0 ($MASTER_ADDR:$MASTER_PORT) did not answer within ${RDZV_TIMEOUT:-120} s;" \
+                     "start node 0 first (NODE_RANK=0), or check MASTER_ADDR, MASTER_PORT and the firewall" >&2
+                exit 2
+            fi
+            (( WAITED == 0 )) && echo "pipe.sh: waiting for node 0 at $MASTER_ADDR:$MASTER_PORT" \
+                                      "(up to RDZV_TIMEOUT=${RDZV_TIMEOUT:-120} s)" >&2
+            sleep 1; WAITED=$((WAITED + 1))
+        done
+    fi
     RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
           --rdzv-conf "timeout=${RDZV_TIMEOUT:-120}")
 else

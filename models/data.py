@@ -32,8 +32,12 @@ def _stdlib_bytes(max_bytes: int) -> bytes:
 def _path_bytes(path: str, max_bytes: int) -> bytes:
     if not os.path.exists(path):
         raise ValueError(f"--data {path!r} does not exist; give a text file or a folder of text files")
+    if not os.path.isfile(path) and not os.path.isdir(path):   # /dev/zero, a named pipe: reads that never end
+        raise ValueError(f"--data {path!r} is not a regular file or folder (a device, pipe or socket); give a text "
+                         f"file or a folder of text files")
     files = [path] if os.path.isfile(path) else [
-        os.path.join(d, n) for d, dirs, names in sorted(os.walk(path)) for n in sorted(names)]
+        os.path.join(d, n) for d, dirs, names in sorted(os.walk(path)) for n in sorted(names)
+        if os.path.isfile(os.path.join(d, n))]
     chunks, total = [], 0
     for name in files:
         with open(name, "rb") as fh:
@@ -91,7 +95,11 @@ class ImageSource:
             if not os.path.isdir(path):
                 raise ValueError(f"--data {path!r} is not a folder; give an ImageFolder root "
                                  f"(one sub-folder per class)")
-            full = datasets.ImageFolder(path, transform=tf)
+            try:
+                full = datasets.ImageFolder(path, transform=tf)
+            except (FileNotFoundError, OSError) as exc:   # no class folders, or none with images in it
+                raise ValueError(f"--data {path!r} is no ImageFolder root ({str(exc).rstrip('. ')}); give a folder "
+                                 f"with one sub-folder of images per class") from None
             n_val = max(1, len(full) // 10)
             perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
             self.sets = {"train": torch.utils.data.Subset(full, perm[n_val:]),

@@ -57,7 +57,7 @@ def _cost(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not a duration (a finite number >= 0)")
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
     return value
 
 

@@ -18,7 +18,6 @@ only for the rename. ``AsyncSaver`` writes the same layout from a background thr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
     from ..runtime.engine import PipelineEngine
 
 __all__ = ["CheckpointError", "save", "AsyncSaver", "load", "latest", "resolve", "manifest", "complete_checkpoints",
-           "metadata", "check_shared"]
+           "metadata"]
 
 MANIFEST = "manifest.json"
 PREFIX, TMP, OLD = "step-", ".tmp-step-", ".old-step-"
@@ -60,54 +59,6 @@ def _manifest(engine: PipelineEngine, step: int, extra: dict[str, Any] | None) -
             [engine.plan.costs.f, engine.plan.costs.b, engine.plan.costs.w],
             "versions": {"pipeengine": ours, "torch": torch.__version__},
             "saved": time.strftime("%Y-%m-%d %H:%M:%S"), **(extra or {})}
-
-
-def check_shared(directory: str, flag: str = "--save-dir") -> None:
-    """Every node sees the same ``directory`` (collective): rank 0 writes a probe file there, the first
-    rank of every node reads it back. Checkpoints need that (rank 0 alone renames and prunes); a folder
-    that is local to each node (or a relative path) fails here, on every rank, before any step."""
-    import socket
-    import uuid
-    token = uuid.uuid4().hex if dist.get_rank() == 0 else ""
-    probe = os.path.join(directory, f".probe-{token}")
-    if dist.get_rank() == 0:
-        on_every_rank(lambda: _write_probe(directory, probe, token, flag), raise_as=CheckpointError)
-    else:
-        on_every_rank(lambda: None, raise_as=CheckpointError)
-    names: list[Any] = [probe]
-    dist.broadcast_object_list(names, src=0)
-
-    def read() -> None:
-        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-            return
-        try:
-            with open(names[0]) as fh:
-                ok = fh.read() == os.path.basename(names[0])[len(".probe-"):]
-        except OSError:
-            ok = False
-        if not ok:
-            raise CheckpointError(f"{flag} {directory!r} is not one folder for every node: node {socket.gethostname()} "
-                                  f"(rank {dist.get_rank()}) does not see the file rank 0 wrote in it; give a path on "
-                                  f"a filesystem every node shares (NFS, Lustre, ...), as an absolute path")
-
-    try:
-        on_every_rank(read, raise_as=CheckpointError)
-    finally:
-        if dist.get_rank() == 0:
-            with contextlib.suppress(OSError):
-                os.remove(probe)
-
-
-def _write_probe(directory: str, probe: str, token: str, flag: str) -> None:
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as fh:
-            fh.write(token)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoints to {directory!r}: {exc.strerror or exc}; pass a writable "
-                              f"{flag}") from None
 
 
 def _begin(engine: PipelineEngine, directory: str, step: int) -> tuple[str, str]:

@@ -48,6 +48,8 @@ def seed(name: str, value: Any) -> Any:
 def grad_clip(name: str, value: Any) -> Any:
     if value is not None and math.isfinite(value) and value <= 0:
         return None   # "<= 0: off"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite gradient norm (got {value!r}); 0 turns clipping off")
     return check_grad_clip(name, value)
 
 

@@ -9,6 +9,7 @@ The export is a file for ``torch.load(..., weights_only=True)``, keyed as ``nn.S
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ def export(path: str, out: str) -> int:
     """Write the unsplit model's plain ``state_dict`` (keys ``<layer>.<name>``, as ``nn.Sequential(*layers)``)."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     path = resolve(path)
+    _check_output(out)
     md = metadata(path)
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
           if k.startswith("layers.")}
@@ -43,9 +45,27 @@ def export(path: str, out: str) -> int:
         raise CheckpointError(why)
     plain = {k[len("layers."):]: v for k, v in sorted(sd.items(), key=lambda kv: _layer_order(kv[0]))}
     tmp = out + ".tmp"
-    torch.save(plain, tmp)
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(plain, fh)
+        os.replace(tmp, out)
+    except (OSError, RuntimeError) as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise CheckpointError(f"cannot write {out!r}: {why}; give a writable path (a disk with room?)") from None
     return len(plain)
+
+
+def _check_output(out: str) -> None:
+    """The export's file can be written (checked before the checkpoint is read)."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise CheckpointError(f"{out!r} is a folder; give the file to write, e.g. {os.path.join(out, 'model.pt')}")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"cannot write {out!r}: the folder {folder!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {out!r}: the folder {folder!r} is not writable; give another path")
 
 
 def _layer_order(key: str) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
 from ..schedule import theoretical_bubble
-from .checkpoint import AsyncSaver, CheckpointError, check_shared, save
+from .checkpoint import AsyncSaver, CheckpointError, save
 from .cli import to_toml
 from .checks import partition_arg, writable_folder
 from .config import Config
@@ -35,6 +35,7 @@ from .report import oversubscribed, progress_line, summary_text, write_json
 from .reporter import Reporter
 from .resources import flops_per_example, memory_text, peak_tflops, process_age, slow_bf16_hint
 from .resume import ResumePoint, pick_checkpoint, resume
+from .savedir import check_shared
 from .stopping import StopRequest
 from .tensorboard import MetricsWriter
 
@@ -94,7 +95,7 @@ class Trainer:
         self.topo, self.model = on_every_rank(check)
         same_settings({**cfg.computation(), "data (--data)": data_digest(self.model.data)})
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
-            check_shared(cfg.saving.dir)   # checkpoints need one folder every node sees
+            check_shared(cfg.saving.dir, claim=bool(cfg.saving.interval or cfg.saving.on_exit))   # one folder
         point = pick_checkpoint(cfg, self.topo, len(self.model.layers))
         if point is not None and point.batch is not None:   # the checkpoint's global batch, kept
             cfg.set_batch(point.batch)

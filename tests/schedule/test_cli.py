@@ -79,8 +79,8 @@ def test_binary_schedule_file_is_named(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--tf", "-1"], "argument --tf: -1 is not a duration (a finite number >= 0)"),
-    (["--tb", "nan"], "argument --tb: nan is not a duration (a finite number >= 0)"),
+    (["--tf", "-1"], "argument --tf: -1 is not a finite number >= 0"),
+    (["--tb", "nan"], "argument --tb: nan is not a finite number >= 0"),
     (["--pp", "0"], "argument --pp: 0 is below 1"),
     (["-m", "two"], "argument --microbatches/-m: 'two' is not a whole number"),
 ])

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,11 @@ def test_bad_checkpoints_give_one_line_errors_and_overwrite_nothing(
              (str(out), "is a file")]
     for path, msg in cases:
         code, _, err = tool("export", path, str(out))
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    for target, msg in [(str(tmp_path / "no" / "model.pt"), f"the folder {str(tmp_path / 'no')!r} does not exist"),
+                        (str(tmp_path / "empty"), "is a folder; give the file to write"),
+                        ("/proc/model.pt", "cannot write '/proc/model.pt': No such file or directory")]:
+        code, _, err = tool("export", ck, target)   # checked before reading, said in one line
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     shard = next(Path(ck).glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])   # truncated
@@ -496,3 +502,24 @@ def test_changed_bytes_name_the_tensor_and_unusable_folders_are_said(tmp_path: P
             run(parse_args([*flags, "--steps", "3", "--resume", str(ck), "--partition", "profile"]))
         err = capsys.readouterr().err
         assert exc.value.code == 2 and f"has schedule_costs {costs!r}, not [f, b, w]" in err, (costs, err)
+
+
+@pytest.mark.timeout(120)
+def test_two_runs_saving_into_one_folder_is_refused_naming_the_other(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    d = str(tmp_path / "ck")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from pipeengine.training.savedir import _claim; "
+                               f"_claim({d!r}, '--save-dir'); print('held', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as exc:
+            run(parse_args(["--model", "mlp", "--steps", "2", "--save-interval", "1", "--save-dir", d,
+                            "--log-dir", str(tmp_path / "runs"), "--quiet"]))
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and re.fullmatch(
+        rf"error: --save-dir '{re.escape(d)}' is in use by another run \(pid {holder.pid} on .+, since .+\); give "
+        r"each run its own --save-dir\n", err), err

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ROOT, WorldPool, pipe_sh, pipe_sh_command, pipe_sh_job, start_pipe_sh_job
+from tests.harness import ROOT, WorldPool, free_port, pipe_sh, pipe_sh_command, pipe_sh_job, start_pipe_sh_job
 
 
 def launch(tmp_path: Path, n: int, *flags: str, timeout: float = 240) -> dict[str, Any]:
@@ -91,6 +91,11 @@ def test_pipe_sh_usage_and_bad_arguments(tmp_path: Path) -> None:
     fake.chmod(0o755)
     few = pipe_sh("8", "gpus", env={"PATH": str(tmp_path) + os.pathsep + os.environ["PATH"]})
     assert few.returncode == 2 and "asked for 8 gpus but this node has 1" in few.stderr
+    port = str(free_port())   # a second node started without the first: named, not a torchrun traceback
+    alone = pipe_sh("2", "cpus", env={"NNODES": "2", "NODE_RANK": "1", "MASTER_PORT": port, "RDZV_TIMEOUT": "1"})
+    assert alone.returncode == 2 and alone.stderr.rstrip().endswith(
+        f"pipe.sh: node 0 (127.0.0.1:{port}) did not answer within 1 s; start node 0 first (NODE_RANK=0), or check "
+        "MASTER_ADDR, MASTER_PORT and the firewall"), alone.stderr
 
 
 def test_pipe_sh_gpus_without_a_gpu_says_so_in_one_line_before_starting_workers(tmp_path: Path) -> None:

@@ -102,6 +102,27 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["--data", "{tmp}/nofiles"], "error: --data '{tmp}/nofiles' is empty (a folder without files)"),
     (["--log-dir", "{tmp}/short.txt/logs"], "error: --log-dir '{tmp}/short.txt/logs' cannot be created: Not a "
                                             "directory; choose a writable folder"),
+    (["--timeout", "nan"], "error: --timeout must be a positive number of seconds (got nan)"),
+    (["--timeout", "inf"], "error: --timeout must be a positive number of seconds (got inf)"),
+    (["--timeout", "1e-6"], "error: --timeout 1e-06 s is shorter than one exchange between ranks can take; give at "
+                            "least 1 s"),
+    (["--grad-clip", "nan"], "error: --grad-clip must be a finite gradient norm (got nan); 0 turns clipping off"),
+    (["--seed", str(2**70)], "error: --seed must be a whole number from 0 to 2**63 - 1"),
+    (["--schedule", "interleaved-1f1b", "--chunks", "1"], "error: --schedule interleaved-1f1b needs --chunks >= 2 "
+                                                          "(got 1); use 1f1b for one stage per position"),
+    (["--global-batch", "16", "-b", "3"], "error: --global-batch 16 does not split into dp 1 x microbatches of "
+                                          "--micro-batch-size 3"),
+    (["--data", "/dev/zero"], "error: --data '/dev/zero' is not a regular file or folder (a device, pipe or socket)"),
+    (["--data", "{tmp}/fifo"], "error: --data '{tmp}/fifo' is not a regular file or folder (a device, pipe or "
+                               "socket)"),
+    (["--model", "resnet", "--data", "{tmp}/nofiles"], "error: --data '{tmp}/nofiles' is no ImageFolder root "
+                                                       "(Couldn't find any class folder in {tmp}/nofiles); give a "
+                                                       "folder with one sub-folder of images per class"),
+    (["--config", "{tmp}/blob.bin"], "error: --config '{tmp}/blob.bin' is not valid TOML: "),
+    (["--config", "{tmp}/mpi.toml"], "error: parallel.backend (in --config '{tmp}/mpi.toml') 'mpi' is not one of "
+                                     "auto, gloo, nccl (--backend takes the same values)"),
+    (["--config", "{tmp}/lion.toml"], "error: optimizer.name (in --config '{tmp}/lion.toml') 'lion' is not one of "
+                                      "adamw, sgd (--optimizer takes the same values)"),
 ]
 
 
@@ -111,6 +132,9 @@ def test_bad_inputs_give_one_line_and_status_2(tmp_path: Path, capsys: pytest.Ca
     _file(tmp_path, "blob.bin", b"text\x00\x01\x02" * 100)
     _file(tmp_path, "short.txt", b"0123456789")
     (tmp_path / "nofiles").mkdir()
+    os.mkfifo(tmp_path / "fifo")   # nothing ever writes to it: reading it would wait for good
+    _file(tmp_path, "mpi.toml", b'[parallel]\nbackend = "mpi"\n')
+    _file(tmp_path, "lion.toml", b'[optimizer]\nname = "lion"\n')
     for flags, message in BAD_INPUTS:
         flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
         if "--log-dir" not in flags:
