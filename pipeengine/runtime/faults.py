@@ -120,10 +120,10 @@ class Watch:
         if ok is not False:
             return
         if "timed out" not in why.lower() and waited < self.timeout:   # a closed connection: a peer is gone
-            failure = self._failure_text(wait=2.0)
-            raise PeerFailed(failure or f"rank {self.rank} ({self.context}): {doing_text(what)} with rank(s) "
-                                        f"{ranks_text(peers)} broke after {waited:.1f} s, and no rank reported a "
-                                        f"failure (killed or crashed without a trace: see its log): {why}")
+            raise PeerFailed(self._failure_text(wait=2.0) or self._gone(what, why) or
+                             f"rank {self.rank} ({self.context}): {doing_text(what)} with rank(s) "
+                             f"{ranks_text(peers)} broke after {waited:.1f} s, and no rank reported a failure "
+                             f"(killed or crashed without a trace: see its log): {why}")
         line = self._line("waits", what, peers, waited)
         raise error(f"{describe_line(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
 
@@ -206,6 +206,30 @@ class Watch:
             self.store.add(PREFIX + "printed", 1)
         except Exception:
             pass
+
+    def _gone(self, what: Any, why: str) -> str | None:
+        """After a connection broke and no rank reported why: the ranks on this host whose process has ended
+        (killed: SIGKILL, out of memory), published as the failure so every rank names the same (the first
+        rank to look sees only the dead one: the others stop after it). None if none is found here."""
+        host, gone = socket.gethostname(), []
+        try:
+            for r in range(self.world):
+                if r != self.rank and self.store.check([f"{PREFIX}where/{r}"]):
+                    where = self.store.get(f"{PREFIX}where/{r}").decode()   # "pid N on host"
+                    pid, _, on = where[len("pid "):].partition(" on ")
+                    if on == host and not _process_alive(int(pid)):
+                        gone.append(f"rank {r} ({where})")
+            if not gone:
+                return None
+            summary = (f"error: {', '.join(gone)} ended without a word (killed: SIGKILL, out of memory?); rank "
+                       f"{self.rank} ({self.context}) lost its connection in {doing_text(what)}: "
+                       f"{why.split('. This is')[0]}")
+            record = json.dumps({"rank": -1, "summary": summary, "input_error": False, "traceback": ""})
+            if self.store.compare_set(PREFIX + "failed", "", record) == record.encode():
+                self.store.add(PREFIX + "events", 1)
+            return self._failure_text() or summary
+        except Exception:   # the store is gone
+            return None
 
     # ------------------------------------------------------------------ hang reports
 
@@ -338,6 +362,21 @@ class Watch:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(self.exit_status)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) still runs: not gone, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
 
 
 def _cuda_event() -> Any:

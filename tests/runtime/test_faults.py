@@ -375,3 +375,27 @@ def test_a_rank_stopping_over_a_failure_waits_until_rank_0_printed_it(tmp_path: 
     assert not list(tmp_path.iterdir())
     Watch(dist.HashStore(), 1, 2).print_once("report\nlikely culprit: rank 0")
     assert (tmp_path / "shown-by-rank1.txt").read_text() == "report\nlikely culprit: rank 0\n"
+
+
+def test_a_broken_connection_names_the_rank_whose_process_ended(tmp_path: Path) -> None:
+    """A worker killed with SIGKILL says nothing: the first rank whose connection to it breaks finds the rank whose
+    process is gone (same host) and publishes that, so every rank names it, not the healthy peer it waited on."""
+    import json
+
+    import torch.distributed as dist
+
+    from pipeengine.runtime.faults import PREFIX, Watch
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()   # a pid that has ended
+    store = dist.HashStore()
+    Watch(store, 0, 3)
+    store.set(f"{PREFIX}where/1", f"pid {os.getpid()} on {socket.gethostname()}")   # alive
+    store.set(f"{PREFIX}where/2", f"pid {dead.pid} on {socket.gethostname()}")
+    w = Watch(store, 1, 3)
+    w.context = "position 1, replica 0, step 7"
+    text = w._gone("the data-parallel gradient all-reduce", "Connection reset by peer. This is typically ...")
+    assert text == (f"error: rank 2 (pid {dead.pid} on {socket.gethostname()}) ended without a word (killed: "
+                    f"SIGKILL, out of memory?); rank 1 (position 1, replica 0, step 7) lost its connection in the "
+                    f"data-parallel gradient all-reduce: Connection reset by peer")
+    assert json.loads(store.get(PREFIX + "failed"))["summary"] == text   # what every other rank will show
+    assert Watch(store, 0, 3)._failure_text() == text
