@@ -16,9 +16,12 @@ aborting the group does not end them), so when another rank failed or a report w
 rank still blocked ``kill_after`` (2) seconds later ends its own process, as NCCL's watchdog
 does (exit status ``EXPLAINED``); its peers then see closed connections and stop at once. A
 rank that is not blocked raises :class:`PeerFailed` at its next wait. Rank 0 prints the
-failure or the report once (under ``launch/pipe.sh`` only rank 0's output is shown). A rank
-that publishes nothing during a hang is stopped, dead or stuck outside the engine: the report
-names it as the likely culprit. Workers of a launcher also stop when it dies (``watch_parent``).
+failure or the report once (pipe.sh shows only rank 0); a rank stopping over a published failure
+first waits (``SHOW_LIMIT``) until it was printed (the launcher stops every rank once one exits);
+a report printed by another rank is also left in ``shown-by-rank<r>.txt`` for pipe.sh. A rank
+silent during a hang is stopped, dead or stuck outside the engine: the report names it the likely
+culprit; a rank whose connection broke with nothing published names the ranks on its host whose
+process ended. Workers of a launcher also stop when it dies (``watch_parent``).
 """
 
 from __future__ import annotations
