@@ -84,8 +84,9 @@ def _check_no_shared_parameters(layers: Sequence[Any]) -> None:
     """A module object (or one parameter) at two layers would be split into two copies once the stages are
     built on different ranks: refused, naming both layers and the way to share weights."""
     owner: dict[int, tuple[int, str]] = {}
-    for i, layer in enumerate(layers):
-        for name, p in (layer.named_parameters() if hasattr(layer, "named_parameters") else ()):
+    for i, layer in enumerate(layers):   # built modules only: a factory (a function, a class) builds its own
+        named = getattr(layer, "named_parameters", None) if not isinstance(layer, type) else None
+        for name, p in (named() if callable(named) else ()):
             first = owner.setdefault(id(p), (i, name))
             if first[0] != i:
                 what = (f"the same module object ({type(layer).__name__})" if layer is layers[first[0]]
