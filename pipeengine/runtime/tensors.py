@@ -64,8 +64,7 @@ def describe_value(x: Any) -> str:
 
 
 def crc32(t: torch.Tensor, crc: int = 0) -> int:
-    """CRC-32 of a tensor's dtype, shape and bytes (on the host: a device tensor is copied there)."""
-    t = t.detach().cpu()
-    if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone(memory_format=torch.contiguous_format)   # a storage of its own: exactly its bytes
-    return zlib.crc32(bytes(t.untyped_storage()), zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc))
+    """CRC-32 of a tensor's dtype, shape and bytes (on the host: a device tensor is copied there). The bytes go
+    to zlib as one buffer (numpy comes with torchvision and tensorboard), at memory speed."""
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return zlib.crc32(flat.numpy().data, zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc))

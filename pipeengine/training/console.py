@@ -55,8 +55,9 @@ def link_rank_logs(run_dir: str) -> None:
     """Under launch/pipe.sh: link every rank's log files (torchrun --log-dir) from the run folder as ``ranks/``."""
     logs = os.environ.get("PIPEENGINE_RANK_LOGS")
     link = os.path.join(run_dir, "ranks")
-    if logs and os.path.isdir(run_dir) and not os.path.lexists(link):
+    if logs and not os.path.lexists(link):
         try:
+            os.makedirs(run_dir, exist_ok=True)
             os.symlink(logs, link)
         except OSError:
             pass   # a folder that takes no links: the files are still where pipe.sh said

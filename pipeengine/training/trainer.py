@@ -93,6 +93,11 @@ class Trainer:
 
         # one rank's bad input (a local path) is every rank's error; then every setting and the data compared
         self.topo, self.model = on_every_rank(check)
+        label = cfg.model.name.rpartition(":")[2]   # a function's name for package.module:function
+        self.run_dir = os.path.join(cfg.logging.dir, cfg.logging.run_name or (
+            f"{label}-{cfg.schedule.name}-pp{self.topo.pp}dp{self.topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}"))
+        if self.rank == 0:   # from the start: a failure in set-up has its ranks' logs there too
+            link_rank_logs(self.run_dir)
         same_settings({**cfg.computation(), "data (--data)": data_digest(self.model.data)})
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
             check_shared(cfg.saving.dir, claim=bool(cfg.saving.interval or cfg.saving.on_exit))   # one folder
@@ -128,10 +133,6 @@ class Trainer:
 
     def _open_logs(self) -> None:
         cfg, topo = self.cfg, self.topo
-        label = cfg.model.name.rpartition(":")[2]   # a function's name for package.module:function
-        name = cfg.logging.run_name or (f"{label}-{cfg.schedule.name}-pp{topo.pp}dp{topo.dp}-"
-                                        f"{time.strftime('%Y%m%d-%H%M%S')}")
-        self.run_dir = os.path.join(cfg.logging.dir, name)
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0)
         self.writer.log_text("config", "".join(f"    {line}\n" for line in to_toml(cfg).splitlines()))
         flops = None
@@ -141,8 +142,6 @@ class Trainer:
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
                                  warm=self.warm, writer=self.writer)
-        if self.rank == 0:
-            link_rank_logs(self.run_dir)
         if self.rank == 0 and not cfg.logging.quiet:
             print(topo.describe())
             if self.engine.plan.choice is not None:
