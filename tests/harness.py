@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["free_port", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job", "pipe_sh_command",
-           "start_pipe_sh_job", "python_cli", "ROOT"]
+           "start_pipe_sh_job", "python_cli", "on_a_terminal", "ROOT"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -234,3 +234,29 @@ def python_cli(*args: str, code: str | None = None, timeout: float = 120,
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", *args]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def on_a_terminal(cmd: list[str], env: dict[str, str], cwd: Path, stderr_too: bool = False,
+                  timeout: float = 100) -> tuple[int, str]:
+    """Run ``cmd`` with its stdout (and stderr, if ``stderr_too``) on a pseudo-terminal; (exit status, text)."""
+    import pty
+    import select
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=slave, stderr=slave if stderr_too else subprocess.PIPE,
+                            start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 1.0)[0]:
+            try:
+                data = os.read(master, 65536)
+            except OSError:   # the terminal closed: every writer has exited
+                break
+            if not data:
+                break
+            chunks.append(data.decode())
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    return proc.returncode, "".join(chunks)

@@ -144,22 +144,7 @@ def cast_cache_scope(device: torch.device, precision: str) -> contextlib.Abstrac
 
 
 def _deallocate(t: torch.Tensor, inputs: Tensors) -> None:
-    """Swap a root's storage for an empty one (see [Note: stage boundary dtype]
-Under bf16/fp16 autocast a stage's output goes on the wire in the dtype its last layer produced:
-a residual stream that autocast keeps in fp32 stays fp32, a bf16 activation stays bf16. Casting
-every boundary to the low precision (as this engine once did) made the numerics depend on where
-the model was split, so two runs that profiled different bounds could train differently.
-
-[Note: one weight cast per step]
-Autocast caches the low-precision copy of a leaf that requires grad (a weight) for as long as the
-outermost autocast region stays open. Opened per microbatch, each microbatch's forward casts every
-weight anew and saves its own copy for backward, so a stage with k microbatches in flight held k
-copies (16 B/param at pp 8). The engine therefore keeps one (disabled) autocast region open around
-a step's whole program (:func:`cast_cache_scope`): every microbatch's forward, recompute and
-backward share one copy per weight, dropped when the region closes, before the optimizer step.
-The values are those of a cast per microbatch, bit for bit.
-
-[Note: free at the earliest point])."""
+    """Swap a root's storage for an empty one (see [Note: free at the earliest point])."""
     if t.grad_fn is not None and t._base is None and not any(t is x for x in inputs):
         t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
 

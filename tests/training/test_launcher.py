@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ROOT, WorldPool, free_port, pipe_sh, pipe_sh_command, pipe_sh_job, start_pipe_sh_job
+from tests.harness import (ROOT, WorldPool, free_port, on_a_terminal, pipe_sh, pipe_sh_command, pipe_sh_job,
+                           start_pipe_sh_job)
 
 
 def launch(tmp_path: Path, n: int, *flags: str, timeout: float = 240) -> dict[str, Any]:
@@ -144,6 +145,23 @@ def _workers(launcher: int) -> list[int]:
     return found
 
 
+def _until_gone(pids: list[int], limit: float = 20) -> float:
+    """Seconds until every process in ``pids`` has ended (at most ``limit``)."""
+    t0 = time.monotonic()
+    while any(_alive(p) for p in pids) and time.monotonic() - t0 < limit:
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _kill_survivors(workers: list[int], proc: subprocess.Popen[str]) -> list[int]:
+    """Kill what a test left running; the workers that were still alive."""
+    survivors = [w for w in workers if _alive(w)]
+    for w in survivors:
+        os.kill(w, signal.SIGKILL)
+    _kill_group(proc)
+    return survivors
+
+
 def _unprefixed(out: str) -> str:
     """Rank 0's output as torchrun shows it off a terminal, without its ``[default0]:`` prefix."""
     return re.sub(r"(?m)^\[default0\]:", "", out)
@@ -193,15 +211,9 @@ def test_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
         workers = _workers(proc.pid)
         assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
         os.kill(torchrun[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        while any(_alive(w) for w in workers) and time.monotonic() - t0 < 20:
-            time.sleep(0.2)
-        elapsed = time.monotonic() - t0
+        elapsed = _until_gone(workers)
     finally:
-        survivors = [w for w in workers if _alive(w)]
-        for w in survivors:
-            os.kill(w, signal.SIGKILL)
-        _kill_group(proc)
+        survivors = _kill_survivors(workers, proc)
     assert not survivors and elapsed < 10, elapsed
 
 
@@ -218,16 +230,10 @@ def test_killing_the_launcher_script_alone_stops_every_worker(sig: signal.Signal
         torchrun, workers = _workers_parent(proc.pid), _workers(proc.pid)
         assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
         os.kill(proc.pid, sig)
-        t0 = time.monotonic()
-        while any(_alive(p) for p in workers + torchrun) and time.monotonic() - t0 < 20:
-            time.sleep(0.2)
-        elapsed = time.monotonic() - t0
+        elapsed = _until_gone(workers + torchrun)
         out, err = proc.communicate(timeout=30)
     finally:
-        survivors = [w for w in workers if _alive(w)]
-        for w in survivors:
-            os.kill(w, signal.SIGKILL)
-        _kill_group(proc)
+        survivors = _kill_survivors(workers, proc)
     assert not survivors and elapsed < 10, elapsed
     if sig == signal.SIGTERM:   # passed on: every worker stops after the same step and says so, with the summary
         assert proc.returncode == 143 and "SIGTERM: every rank stopped after step" in err, err[-3000:]
@@ -238,28 +244,9 @@ def test_killing_the_launcher_script_alone_stops_every_worker(sig: signal.Signal
 @pytest.mark.timeout(150)
 def test_pipe_sh_on_a_terminal_updates_rank_0s_progress_in_place(tmp_path: Path) -> None:
     """Rank 0 writes to the terminal itself (no torchrun prefix); every rank's output is in the run's ranks/."""
-    import pty
-    import select
-    master, slave = pty.openpty()
     cmd, env = pipe_sh_command(tmp_path, 2, ("--model", "mlp", "--steps", "12"), None)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=slave, stderr=slave, start_new_session=True)
-    os.close(slave)
-    chunks, deadline = [], time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if select.select([master], [], [], 1.0)[0]:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            chunks.append(data.decode())
-        elif proc.poll() is not None:
-            break
-    proc.wait(timeout=30)
-    os.close(master)
-    text = "".join(chunks)
-    assert proc.returncode == 0, text[-3000:]
+    code, text = on_a_terminal(cmd, env, tmp_path, stderr_too=True, timeout=120)
+    assert code == 0, text[-3000:]
     updates = [u for u in text[text.index("[", text.index("logs in")):text.index("=" * 72)].split("\r") if u.strip()]
     assert len(updates) == 12 and all(u.startswith("[") and "steps/s" in u for u in updates), updates
     assert "[default0]:[" not in text and "\nloss       first " in text.replace("\r\n", "\n")

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ import torch
 
 from pipeengine.training.cli import parse_args
 from pipeengine.training.trainer import run
-from tests.harness import ROOT
+from tests.harness import ROOT, on_a_terminal
 
 
 @pytest.mark.timeout(120)
@@ -52,31 +49,11 @@ def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
 
 @pytest.mark.timeout(120)
 def test_progress_on_a_terminal_is_one_updating_line_with_eta(tmp_path: Path) -> None:
-    master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "pipeengine.train", "--model", "mlp", "--steps", "8",
-                             "--log-dir", str(tmp_path)], cwd=ROOT, stdout=slave, stderr=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    os.close(slave)
-    chunks = []
-    deadline = time.monotonic() + 100
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([master], [], [], 1.0)
-        if ready:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            chunks.append(data.decode())
-        elif proc.poll() is not None:
-            break
-    proc.wait(timeout=30)
-    os.close(master)
-    text = "".join(chunks)
+    code, text = on_a_terminal([sys.executable, "-m", "pipeengine.train", "--model", "mlp", "--steps", "8",
+                                "--log-dir", str(tmp_path)], dict(os.environ, PYTHONPATH=str(ROOT)), ROOT)
     progress = text[text.index("[", text.index("logs in")):text.index("=" * 72)]
     updates = [u for u in progress.split("\r") if u.strip()]
-    assert proc.returncode == 0
+    assert code == 0
     assert len(updates) == 8 and all("ETA 0:00:" in u and "steps/s" in u for u in updates), updates
     assert progress.count("\n") == 1   # only after the last update
 
