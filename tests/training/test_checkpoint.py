@@ -445,6 +445,7 @@ def test_resuming_under_another_layout_keeps_the_global_batch(tmp_path: Path, wo
     assert "global batch" not in resumed_pp4["text"].split("resumed from")[0]   # 4 x 8 at dp 1 still: no note
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_changed_bytes_name_the_tensor_and_unusable_folders_are_said(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:

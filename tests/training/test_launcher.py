@@ -240,6 +240,7 @@ def test_killing_the_launcher_script_alone_stops_every_worker(sig: signal.Signal
         assert "\nloss       first " in _unprefixed(out)
 
 
+@pytest.mark.slow
 @pytest.mark.launcher
 @pytest.mark.timeout(150)
 def test_pipe_sh_on_a_terminal_updates_rank_0s_progress_in_place(tmp_path: Path) -> None:
