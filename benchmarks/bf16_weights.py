@@ -33,7 +33,9 @@ from pipeengine.runtime.stage import LayerChain, Stage, cast_cache_scope
 MIB = 2**20
 
 
-def _saved(params: set[int]) -> tuple[dict[int, int], Any]:
+def saved_storages(params: set[int]) -> tuple[dict[int, int], Any]:
+    """({storage pointer: bytes} filled as autograd saves tensors for backward, parameters left out; the hook
+    context that fills it)."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +65,7 @@ def run(variant: str, k: int, rows: int, width: int, steps: int) -> dict[str, fl
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         stage.reset()
-        saved, hooks = _saved({p.untyped_storage().data_ptr() for p in stage.params})
+        saved, hooks = saved_storages({p.untyped_storage().data_ptr() for p in stage.params})
         with scope(), hooks:
             for mb in range(k):
                 stage.forward(mb, xs[mb].clone(), None, True)

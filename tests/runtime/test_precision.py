@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from benchmarks.bf16_weights import saved_storages
 from pipeengine.runtime.engine import PipelineEngine
 
 MIB = 2**20
@@ -12,16 +13,8 @@ MIB = 2**20
 
 def saved_bytes_of_a_step(engine: PipelineEngine, data: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """Bytes of the distinct storages autograd saves for backward during one step (parameters left out)."""
-    params = {p.untyped_storage().data_ptr() for p in engine.parameters}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved, hooks = saved_storages({p.untyped_storage().data_ptr() for p in engine.parameters})
+    with hooks:
         engine.train_batch(iter(data))
     return sum(saved.values())
 
