@@ -89,8 +89,6 @@ def settings_mismatch(everyone: Sequence[Mapping[str, Any]]) -> str | None:
 def same_settings(settings: Mapping[str, Any], group: Any = None) -> None:
     """One all-gather of every rank's ``settings``; a difference raises ValueError on every rank (see
     :func:`settings_mismatch`)."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, dict(settings), group=group)
-    mismatch = settings_mismatch(everyone)
+    mismatch = settings_mismatch(gathered(dict(settings), None, group=group))
     if mismatch:
         raise ValueError(mismatch)

@@ -93,9 +93,6 @@ class PipelineEngine:
             then max(60 s, 20 x the median step)); see faults.py for what happens then.
         on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or
             "skip" (no update for that step; counted in ``skipped_steps``).
-        agree: more settings by name that every rank must have alike (the trainer passes its whole resolved
-            configuration); compared with the model and the arguments above in make_plan's one collective,
-            a difference is a ValueError on every rank naming the setting and the ranks.
         bucket_mb: MiB of gradients per data-parallel all-reduce bucket.
         overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its
             gradients (grad_sync.py); False posts them all after the rank's last backward. Default
@@ -110,8 +107,7 @@ class PipelineEngine:
                  tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, seed: int = 0, recompute: str = "none", precision: str = "fp32",
-                 wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
-                 agree: Mapping[str, Any] | None = None) -> None:
+                 wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -134,8 +130,7 @@ class PipelineEngine:
             agree={"pp x dp": (self.topology.pp, self.topology.dp), "schedule": getattr(schedule, "name", schedule),
                    "microbatches": microbatches, "chunks": chunks, "partition": partition, "precision": precision,
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
-                   "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
-                   **(agree or {})})
+                   "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied]})
         self.schedule, self.microbatches = self.plan.schedule, self.plan.schedule.microbatches
         self.loss_fn = loss_fn
         self._build(layers, tied, seed, recompute)

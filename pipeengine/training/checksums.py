@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
-
+from ..runtime.agree import gathered
 from ..runtime.tensors import crc32
 
 __all__ = ["checksums", "gathered_checksums", "changed_tensor"]
@@ -24,10 +23,8 @@ def checksums(state: Mapping[str, Any]) -> dict[str, str]:
 
 def gathered_checksums(local: dict[str, str]) -> dict[str, str]:
     """Every rank's checksums merged (collective; replicas hold equal tensors, the first rank's entry stays)."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
     merged: dict[str, str] = {}
-    for sums in everyone:
+    for sums in gathered(local, None):
         for key, value in sums.items():
             merged.setdefault(key, value)
     return merged
