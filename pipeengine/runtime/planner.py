@@ -6,15 +6,19 @@ simple methods, :func:`choose_bounds` for the split whose simulated step with a 
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, NoReturn, Sequence
 
 from torch import nn
 
 from ..schedule import Costs, Schedule, simulate
+from ..schedule.simulate import Dataflow
 
-__all__ = ["PartitionError", "METHODS", "balance_min_max", "partition", "describe", "LayerCost", "Choice",
-           "choose_bounds", "position_costs"]
+__all__ = ["PartitionError", "METHODS", "balance_min_max", "even_bounds", "partition", "describe", "LayerCost",
+           "Choice", "choose_bounds", "EXACT_LIMIT"]
 
 METHODS = ("profile", "parameters", "uniform", "cost")
 
@@ -59,6 +63,15 @@ def balance_min_max(weights: Sequence[float], num_parts: int) -> list[int]:
     return bounds[::-1]
 
 
+def even_bounds(n: int, num_stages: int) -> list[int]:
+    """Equal layer counts per stage; the later stages take the extra layers (the last also computes the loss)."""
+    base, extra = divmod(n, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if s >= num_stages - extra else 0))
+    return bounds
+
+
 def _param_count(layer: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in layer.parameters()}.values())
 
@@ -84,12 +97,7 @@ def partition(layers: Sequence[nn.Module], num_stages: int, method: str = "param
         raise PartitionError(f"{n} layers cannot fill {num_stages} stages (each stage needs >= 1 layer); "
                              f"use at most {n} stages or split the model into more layers")
     if method == "uniform":
-        base, extra = divmod(n, num_stages)
-        sizes = [base + (1 if s >= num_stages - extra else 0) for s in range(num_stages)]
-        bounds = [0]
-        for size in sizes:
-            bounds.append(bounds[-1] + size)
-        return bounds
+        return even_bounds(n, num_stages)
     if method == "parameters":
         counts = [float(_param_count(layer)) for layer in layers]
         eps = max(1.0, sum(counts) / max(1, n) * 1e-3)
@@ -159,7 +167,7 @@ class Choice:
         return Costs(*(sum(c[k] for c in self.stage_costs) / n for k in range(3)))
 
     def describe(self, schedule_name: str) -> str:
-        lines = [f"partition profile: bounds {self.bounds} (best of {self.candidates} simulated splits), "
+        lines = [f"partition profile: bounds {self.bounds} ({self.candidates} splits scored), "
                  f"predicted compute per step {1e3 * self.makespan:.1f} ms with {schedule_name}"]
         for s, (f, b, w) in enumerate(self.stage_costs):
             back = f"B {1e3 * b:.2f} ms  W {1e3 * w:.2f} ms" if self.split else f"backward {1e3 * (b + w):.2f} ms"
@@ -169,101 +177,195 @@ class Choice:
         return "\n".join(lines)
 
 
-def position_costs(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule) -> list[Costs]:
-    """Per position, the simulator's costs of one of its stages: the mean of its stages' (f, b, w)."""
-    out = []
-    for p in range(schedule.pp):
-        mine = [c for s, c in enumerate(stage_costs) if schedule.placement(s)[0] == p]
-        out.append(Costs(*(sum(x[k] for x in mine) / len(mine) for k in range(3))))
-    return out
-
-
 class _Splits:
-    """Contiguous splits of measured layers into a schedule's stages: their widths, memory and stage costs."""
+    """Contiguous splits of measured layers into a schedule's stages: their stage costs, memory and scores."""
 
     def __init__(self, costs: Sequence[LayerCost], schedule: Schedule, state_factor: float) -> None:
         self.costs, self.schedule, self.state_factor = costs, schedule, state_factor
         self.n, self.stages = len(costs), schedule.num_stages
-        self.prefix = [0.0]
+        self.split = split = schedule.split_backward
+        phases = [c.phases(split) for c in costs]
+        self.prefix = [[0.0], [0.0], [0.0], [0.0]]   # f, b, w, total
+        for f, b, w in phases:
+            for k, x in enumerate((f, b, w, f + b + w)):
+                self.prefix[k].append(self.prefix[k][-1] + x)
+        self.params = [0.0]
         for c in costs:
-            self.prefix.append(self.prefix[-1] + c.total)
+            self.params.append(self.params[-1] + c.param_bytes)
         self.placement = [schedule.placement(s)[0] for s in range(self.stages)]
+        self.stage_at = [[schedule.stage(p, c) for c in range(schedule.chunks)] for p in range(schedule.pp)]
         self.peaks = simulate(schedule, Costs()).peak_in_flight
+        self.timer = Dataflow(schedule)
+        self.scored = 0
 
-    def memory(self, bounds: list[int]) -> list[float]:
+    def memory(self, bounds: Sequence[int]) -> list[float]:
         """Estimated peak bytes per position: state_factor x parameters + peak in flight x activations."""
         mem = [0.0] * self.schedule.pp
         act = [0.0] * self.schedule.pp
         for s in range(self.stages):
             p = self.placement[s]
-            layer = self.costs[bounds[s]:bounds[s + 1]]
-            mem[p] += self.state_factor * sum(c.param_bytes for c in layer)
-            act[p] = max(act[p], float(sum(c.activation_bytes for c in layer)))
+            mem[p] += self.state_factor * (self.params[bounds[s + 1]] - self.params[bounds[s]])
+            act[p] = max(act[p], float(sum(c.activation_bytes for c in self.costs[bounds[s]:bounds[s + 1]])))
         return [m + self.peaks[p] * act[p] for p, m in enumerate(mem)]
 
-    def widest(self, bounds: list[int]) -> float:
-        return max(self.prefix[b] - self.prefix[a] for a, b in zip(bounds, bounds[1:]))
+    def over(self, bounds: Sequence[int], cap: float | None) -> float:
+        """Bytes the fullest position needs beyond the cap (0: it fits)."""
+        return 0.0 if cap is None else max(0.0, max(self.memory(bounds)) - cap)
 
-    def enumerate(self, limit: float, most: int = 100_000) -> list[list[int]]:
-        """Splits whose every stage costs at most ``limit`` (depth first, at most ``most``)."""
-        found: list[list[int]] = []
-        n, stages, prefix = self.n, self.stages, self.prefix
+    def widest(self, bounds: Sequence[int]) -> float:
+        t = self.prefix[3]
+        return max(t[b] - t[a] for a, b in zip(bounds, bounds[1:]))
 
-        def rec(start: int, s: int, acc: list[int]) -> None:
-            if len(found) >= most:
-                return
-            if s == stages - 1:
-                if prefix[n] - prefix[start] <= limit:
-                    found.append(acc + [n])
-                return
-            for end in range(start + 1, n - (stages - 1 - s) + 1):
-                if prefix[end] - prefix[start] > limit:
-                    break
-                rec(end, s + 1, acc + [end])
-        rec(0, 0, [0])
-        return found
+    def stage_costs(self, bounds: Sequence[int]) -> list[tuple[float, float, float]]:
+        f, b, w = self.prefix[:3]
+        return [(f[z] - f[a], b[z] - b[a], w[z] - w[a]) for a, z in zip(bounds, bounds[1:])]
 
-    def stage_costs(self, bounds: list[int]) -> list[tuple[float, float, float]]:
-        split = self.schedule.split_backward
+    def _table(self, bounds: Sequence[int]) -> list[list[tuple[float, float, float]]]:
+        """Each stage's (F, B, W) durations as ``Dataflow`` takes them (B includes W without a split)."""
+        f, b, w = self.prefix[:3]
+        merge = not self.split
         out = []
-        for s in range(self.stages):
-            phases = [c.phases(split) for c in self.costs[bounds[s]:bounds[s + 1]]]
-            out.append((sum(x[0] for x in phases), sum(x[1] for x in phases), sum(x[2] for x in phases)))
+        for row in self.stage_at:
+            cells = []
+            for s in row:
+                lo, hi = bounds[s], bounds[s + 1]
+                bw = b[hi] - b[lo], w[hi] - w[lo]
+                cells.append((f[hi] - f[lo], bw[0] + bw[1] if merge else bw[0], bw[1]))
+            out.append(cells)
         return out
+
+    def bound(self, bounds: Sequence[int]) -> float:
+        """A lower bound of the makespan: the busiest position's work."""
+        return max(self.timer.work(self._table(bounds)))
+
+    def quick(self, bounds: Sequence[int]) -> float:
+        """The makespan under data dependencies alone (the search's score, see Dataflow)."""
+        self.scored += 1
+        return self.timer.makespan(self._table(bounds))
+
+    def exact(self, bounds: Sequence[int]) -> float:
+        """The simulated makespan of the lowered schedule with each stage's own costs."""
+        self.scored += 1
+        return simulate(self.schedule, [Costs(*c) for c in self.stage_costs(bounds)]).makespan
+
+    def choice(self, bounds: Sequence[int], makespan: float) -> Choice:
+        return Choice(list(bounds), self.stage_costs(bounds), makespan, self.memory(bounds), self.scored,
+                      self.schedule.split_backward)
+
+
+EXACT_LIMIT = 2000   # splits: up to this many, every one is considered (pruned by its lower bound)
 
 
 def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: float | None = None,
-                  state_factor: float = 4.0, max_candidates: int = 300) -> Choice:
+                  state_factor: float = 4.0) -> Choice:
     """Contiguous stage bounds minimising the simulated makespan of ``schedule`` with these layer costs.
 
-    Candidates: every split whose slowest stage is within 1.5x of the best possible slowest stage
-    (the ``max_candidates`` most balanced if there are more), each simulated (the first and last
-    stage carry their data and loss work, which the layer costs include). A position's memory is
-    estimated as ``state_factor`` x its parameter bytes (parameter, gradient, two Adam moments) plus
-    its schedule's peak of microbatches in flight x the activation bytes of a microbatch; with
-    ``memory_cap`` (bytes) splits above it are left out.
+    Every stage is simulated with its own costs (never a position's mean: one position's chunks of
+    1 and 9 layers differ from two of 5). When there are at most ``EXACT_LIMIT`` splits the search is
+    exact: splits are taken in order of a lower bound (the busiest position's work) and simulated
+    until the bound passes the best makespan found. Beyond that: the exact min-max split of the layer
+    costs (dynamic programming) and the equal-count split are improved by moving one boundary at a
+    time while the dependency-only makespan (:class:`Dataflow`) drops, and the best few are simulated.
+    A position's memory is estimated as ``state_factor`` x its parameter bytes (parameter, gradient,
+    two Adam moments) plus its schedule's peak of microbatches in flight x the activation bytes of a
+    microbatch; with ``memory_cap`` (bytes) no split above it is chosen. Ties go to the split with the
+    smaller slowest stage, then to the earlier bounds.
     """
     n, stages = len(costs), schedule.num_stages
     if n < stages:
         raise PartitionError(f"{n} layers cannot fill {stages} stages (each stage needs >= 1 layer)")
     splits = _Splits(costs, schedule, state_factor)
-    candidates = splits.enumerate(1.5 * splits.widest(balance_min_max([c.total for c in costs], stages)) + 1e-12)
-    if memory_cap is not None:
-        candidates = [b for b in candidates if max(splits.memory(b)) <= memory_cap]
-        if not candidates:   # the cap may need an unbalanced split
-            every = splits.enumerate(float("inf"))
-            candidates = [b for b in every if max(splits.memory(b)) <= memory_cap]
-            if not candidates:
-                least = min(every, key=lambda b: max(splits.memory(b)))
-                raise PartitionError(f"no split of the {n} layers into {stages} stages fits the memory cap of "
-                                     f"{memory_cap / 2**30:.2f} GiB per position; the least is "
-                                     f"{max(splits.memory(least)) / 2**30:.2f} GiB (bounds {least}). Raise the cap, "
-                                     f"use more pipeline positions, or recompute (--recompute full)")
-    candidates = sorted(candidates, key=lambda b: (splits.widest(b), b))[:max_candidates]
-    scored = []
-    for bounds in candidates:
-        per_stage = splits.stage_costs(bounds)
-        makespan = simulate(schedule, position_costs(per_stage, schedule)).makespan
-        scored.append((makespan, splits.widest(bounds), bounds, per_stage))
-    makespan, _, bounds, per_stage = min(scored, key=lambda x: (x[0], x[1], x[2]))
-    return Choice(list(bounds), per_stage, makespan, splits.memory(bounds), len(scored), schedule.split_backward)
+    if math.comb(n - 1, stages - 1) <= EXACT_LIMIT:
+        return _exhaustive(splits, memory_cap)
+    return _local_search(splits, memory_cap)
+
+
+def _every_split(n: int, stages: int) -> Iterator[list[int]]:
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        yield [0, *cuts, n]
+
+
+def _exhaustive(splits: _Splits, cap: float | None) -> Choice:
+    every = list(_every_split(splits.n, splits.stages))
+    fits = [b for b in every if not splits.over(b, cap)]
+    if not fits:
+        _no_fit(splits, cap, min(every, key=lambda b: max(splits.memory(b))))
+    best: tuple[float, float, list[int]] | None = None
+    for low, bounds in sorted((splits.bound(b), b) for b in fits):
+        if best is not None and low > best[0] * (1 + 1e-9):
+            break   # no split from here on can beat the best: each needs at least its bound
+        key = (splits.exact(bounds), splits.widest(bounds), bounds)
+        if best is None or key < best:
+            best = key
+    assert best is not None
+    return splits.choice(best[2], best[0])
+
+
+def _local_search(splits: _Splits, cap: float | None, keep: int = 4, kicks: int = 8, budget: int = 2000) -> Choice:
+    starts = [balance_min_max([c.total for c in splits.costs], splits.stages), even_bounds(splits.n, splits.stages)]
+    seen: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    def score(b: list[int]) -> tuple[float, float]:
+        key = tuple(b)
+        if key not in seen:
+            seen[key] = (splits.over(b, cap), splits.quick(b))
+        return seen[key]
+
+    def descend(current: list[int]) -> list[int]:
+        improved = True
+        while improved:   # first improvement, sweeping the boundaries
+            improved = False
+            for trial in _moves(current):
+                if score(trial) < score(current):
+                    current, improved = trial, True
+        return current
+
+    rng = random.Random(0)
+    for start in starts:
+        best = descend(list(start))
+        for _ in range(kicks):   # iterated local search: shake a few boundaries, descend again
+            if len(seen) >= budget:
+                break
+            shaken = _kick(best, rng)
+            found = descend(shaken)
+            if score(found) < score(best):
+                best = found
+    ranked = sorted(seen, key=lambda b: (seen[b], splits.widest(b), b))
+    finalists: list[tuple[int, ...]] = list(dict.fromkeys([*ranked[:keep], *(tuple(s) for s in starts)]))
+    fitting = [b for b in finalists if not seen[b][0]]
+    if not fitting:
+        _no_fit(splits, cap, list(min(seen.items(), key=lambda item: item[1][0])[0]))
+    winner = min((splits.exact(b), splits.widest(b), list(b)) for b in fitting)
+    return splits.choice(winner[2], winner[0])
+
+
+def _moves(bounds: list[int]) -> Iterator[list[int]]:
+    """Neighbours of a split: one boundary moved by 1 or 2, or two neighbouring boundaries moved together by 1
+    (a stage shifted by a layer, or one layer taken from each side of a stage)."""
+    last = len(bounds) - 1
+    for i in range(1, last):
+        for step in (-1, 1, -2, 2):
+            if bounds[i - 1] < bounds[i] + step < bounds[i + 1]:
+                yield bounds[:i] + [bounds[i] + step] + bounds[i + 1:]
+        if i + 1 < last:
+            for di, dj in ((-1, -1), (1, 1), (1, -1), (-1, 1)):
+                x, y = bounds[i] + di, bounds[i + 1] + dj
+                if bounds[i - 1] < x < y < bounds[i + 2]:
+                    yield bounds[:i] + [x, y] + bounds[i + 2:]
+
+
+def _kick(bounds: list[int], rng: random.Random) -> list[int]:
+    """A split near ``bounds``: up to three boundaries moved by up to 3 layers (kept strictly increasing)."""
+    out = list(bounds)
+    for _ in range(3):
+        i = rng.randrange(1, len(out) - 1)
+        out[i] = min(max(out[i] + rng.choice((-3, -2, -1, 1, 2, 3)), out[i - 1] + 1), out[i + 1] - 1)
+    return out
+
+
+def _no_fit(splits: _Splits, cap: float | None, least: list[int]) -> NoReturn:
+    assert cap is not None
+    raise PartitionError(f"no split of the {splits.n} layers into {splits.stages} stages fits the memory cap of "
+                         f"{cap / 2**30:.2f} GiB per position; the least is "
+                         f"{max(splits.memory(least)) / 2**30:.2f} GiB (bounds {least}). Raise the cap, "
+                         f"use more pipeline positions, or recompute (--recompute full)")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .actions import Kind
+from .actions import Kind, Schedule
 
-__all__ = ["Costs", "per_position"]
+__all__ = ["Costs", "per_stage"]
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,20 @@ class Costs:
         return Costs(self.f / chunks, self.b / chunks, self.w / chunks, self.comm)
 
 
-def per_position(costs: Costs | Sequence[Costs], pp: int) -> list[Costs]:
-    """One Costs per position: ``costs`` repeated, or checked to have one entry per position."""
+def per_stage(costs: Costs | Sequence[Costs], schedule: Schedule) -> list[list[Costs]]:
+    """``table[p][c]``: the costs of the stage position p runs as chunk c.
+
+    ``costs`` is one Costs for every stage, one per position (each of its chunks costs the same), or
+    one per stage (``num_stages`` entries, stage order: the position's chunks may cost different
+    amounts, as a split of measured layers does).
+    """
+    pp, chunks = schedule.pp, schedule.chunks
     if isinstance(costs, Costs):
-        return [costs] * pp
-    if len(costs) != pp:
-        raise ValueError(f"got {len(costs)} per-position costs for pp={pp}; give one Costs or one per position")
-    return list(costs)
+        return [[costs] * chunks for _ in range(pp)]
+    costs = list(costs)
+    if len(costs) == pp:
+        return [[c] * chunks for c in costs]
+    if len(costs) == pp * chunks:
+        return [[costs[schedule.stage(p, c)] for c in range(chunks)] for p in range(pp)]
+    raise ValueError(f"got {len(costs)} per-position costs for pp={pp}; give one Costs, one per position ({pp})"
+                     + (f" or one per stage ({pp * chunks})" if chunks > 1 else ""))

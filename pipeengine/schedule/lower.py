@@ -34,7 +34,7 @@ from math import lcm
 from typing import Sequence
 
 from .actions import Action, Kind, Schedule, Step
-from .costs import Costs, per_position
+from .costs import Costs, per_stage
 from .dataflow import check_compute, dependency, raise_cycle, step_index, transfer_id, transfers
 
 __all__ = ["lower", "witness_times"]
@@ -42,22 +42,22 @@ __all__ = ["lower", "witness_times"]
 Stamp = tuple[int, int]   # (tick, tier), compared lexicographically
 
 
-def _ticks(schedule: Schedule, costs: Costs | Sequence[Costs] | None) -> list[dict[Kind, int]]:
-    """Each position's F/B/W durations in exact integer ticks (see :func:`witness_times`)."""
+def _ticks(schedule: Schedule, costs: Costs | Sequence[Costs] | None) -> list[list[dict[Kind, int]]]:
+    """Each stage's F/B/W durations in exact integer ticks, as ``[position][chunk]`` (see :func:`witness_times`)."""
     split = schedule.split_backward
     kinds = (Kind.F, Kind.B, Kind.W)
-    durations = [[c.of(k, split) for k in kinds] for c in per_position(Costs() if costs is None else costs,
-                                                                       schedule.pp)]
-    unit = max([d for row in durations for d in row if d > 0], default=1.0)
-    exact = [[Fraction(d / unit).limit_denominator(10**6) for d in row] for row in durations]
-    per_tick = lcm(*(x.denominator for row in exact for x in row))
-    return [{k: int(x * per_tick) for k, x in zip(kinds, row)} for row in exact]
+    table = per_stage(Costs() if costs is None else costs, schedule)
+    durations = [[[c.of(k, split) for k in kinds] for c in row] for row in table]
+    unit = max([d for row in durations for st in row for d in st if d > 0], default=1.0)
+    exact = [[[Fraction(d / unit).limit_denominator(10**6) for d in st] for st in row] for row in durations]
+    per_tick = lcm(*(x.denominator for row in exact for st in row for x in st))
+    return [[{k: int(x * per_tick) for k, x in zip(kinds, st)} for st in row] for row in exact]
 
 
 def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> list[list[tuple[Stamp, Stamp]]]:
     """(start, end) stamps of every compute action under data dependencies with ``costs``.
 
-    ``costs`` is one Costs for all positions or one per position, as for ``simulate``; None means
+    ``costs`` is one Costs for all stages, one per position or one per stage, as for ``simulate``; None means
     unit costs (F=1, B=2, W=1, or B=1 when backward is split). ``comm`` is not modelled: a
     consumer may start when its producer ends (adding comm delays here, with no model of each
     position's in-order comm queue, gave worse orders in simulation than leaving them out).
@@ -87,7 +87,7 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
                 if dep is not None and dep not in end_of:
                     break
                 start = max(clock[p], end_of[dep]) if dep is not None else clock[p]
-                d = ticks[p][a.kind]
+                d = ticks[p][a.chunk][a.kind]
                 end = (start[0] + d, 0) if d > 0 else (start[0], start[1] + 1)
                 end_of[(p, a)] = end
                 times[p].append((start, end))
@@ -109,8 +109,8 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
 def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> Schedule:
     """Insert paired, batched send/recv steps into a compute-only schedule (see the module note).
 
-    The order comes from a witness execution with ``costs`` (one Costs for all positions or one per
-    position, as for ``simulate``); None means unit costs. Lower with the costs you will run
+    The order comes from a witness execution with ``costs`` (one Costs for all stages, one per
+    position or one per stage, as for ``simulate``); None means unit costs. Lower with the costs you will run
     with: the order of transfers, and so the makespan, depends on them.
     """
     if schedule.lowered:

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .actions import Action, Kind, Schedule, Step
-from .costs import Costs, per_position
-from .dataflow import partner, raise_cycle
-from .lower import lower
+from .costs import Costs, per_stage
+from .dataflow import dependency, partner, raise_cycle
+from .lower import lower, witness_times
 
-__all__ = ["SimResult", "simulate", "in_flight_peaks"]
+__all__ = ["SimResult", "simulate", "in_flight_peaks", "Dataflow"]
 
 Interval = tuple[float, float, Step]
 
@@ -49,7 +49,7 @@ def in_flight_peaks(schedule: Schedule) -> list[int]:
 
 
 def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "async") -> SimResult:
-    """Execute a schedule with per-action ``costs`` (one for all positions, or one per position); raise
+    """Execute a schedule with per-action ``costs`` (one for all stages, one per position or one per stage); raise
     DeadlockError naming the cycle if stuck. An unlowered schedule is lowered with ``costs`` first.
 
     ``mode="async"`` is how the engine runs: posting a comm batch never blocks compute; each
@@ -74,7 +74,7 @@ class _Run:
     def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs]) -> None:
         self.schedule = schedule
         self.n = schedule.pp
-        self.costs = per_position(costs, self.n)
+        self.costs = per_stage(costs, schedule)   # [position][chunk]
         self.split = schedule.split_backward
         self.progs = schedule.programs
         self.where: list[dict[Action, int]] = [{a: i for i, step in enumerate(p) for a in step} for p in self.progs]
@@ -88,7 +88,7 @@ class _Run:
         self.intervals: list[list[Interval]] = [[] for _ in self.progs]
 
     def compute(self, p: int, step: Step, ready: float) -> None:
-        d = self.costs[p].of(step[0].kind, self.split)
+        d = self.costs[p][step[0].chunk].of(step[0].kind, self.split)
         self.intervals[p].append((ready, ready + d, step))
         self.clock[p] = ready + d
         self.busy[p] += d
@@ -142,7 +142,7 @@ class _Rendezvous(_Run):
             q, other = a.peer, self.partners[p][a]
             post_q = self.posted[q]
             if post_q is not None and self.where[q].get(other) == self.pc[q]:
-                self.matched[(p, a)] = self.matched[(q, other)] = max(post_p, post_q) + self.costs[p].comm
+                self.matched[(p, a)] = self.matched[(q, other)] = max(post_p, post_q) + self.costs[p][0].comm
         if not all((p, a) in self.matched for a in step):
             return False
         end = max([self.clock[p]] + [self.matched[(p, a)] for a in step])
@@ -218,7 +218,7 @@ class _Async(_Run):
                 q, other = a.peer, self.partners[p][a]
                 start_q = self.head_start(q)
                 if start_q is not None and self.comm_steps[q][self.head[q]] == self.where[q].get(other):
-                    self.matched[(p, a)] = self.matched[(q, other)] = max(start, start_q) + self.costs[p].comm
+                    self.matched[(p, a)] = self.matched[(q, other)] = max(start, start_q) + self.costs[p][0].comm
             if not all((p, a) in self.matched for a in self.progs[p][idx]):
                 break
             end = max([start] + [self.matched[(p, a)] for a in self.progs[p][idx]])
@@ -243,3 +243,67 @@ class _Async(_Run):
                 waits[p] = (p, f"position {p} waits at step {self.pc[p]} for its own receive")
                 at[p] = self.pc[p]
         raise_cycle(self.schedule, waits, at)
+
+
+class Dataflow:
+    """A schedule's makespan under its data dependencies alone, cheap enough to score thousands of splits.
+
+    Each position runs its compute actions in program order; an action starts when its position is
+    free and the action it needs on another position has ended (plus ``comm``). Communication
+    queues are not modelled, so this is a lower bound of :func:`simulate` (equal when the lowered
+    comm order never delays a transfer). Which actions wait for which does not depend on the costs,
+    so the order is worked out once and each :meth:`makespan` is one pass over the actions.
+    """
+
+    _KINDS = (Kind.F, Kind.B, Kind.W)
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.split = schedule.split_backward
+        acts = [schedule.compute_actions(p) for p in range(schedule.pp)]
+        ids: dict[tuple[int, Action], int] = {}
+        self.order: list[tuple[int, int, int, int, int]] = []   # (position, chunk, kind, needed id | -1, cross)
+        self.count = [[[0, 0, 0] for _ in range(schedule.chunks)] for _ in range(schedule.pp)]
+        pc = [0] * schedule.pp
+        progress = True
+        while progress:
+            progress = False
+            for p, prog in enumerate(acts):
+                while pc[p] < len(prog):
+                    a = prog[pc[p]]
+                    dep = dependency(schedule, p, a)
+                    if dep is not None and dep not in ids:
+                        break
+                    k = self._KINDS.index(a.kind)
+                    self.order.append((p, a.chunk, k, ids[dep] if dep is not None else -1,
+                                       int(dep is not None and dep[0] != p)))
+                    self.count[p][a.chunk][k] += 1
+                    ids[(p, a)] = len(ids)
+                    pc[p] += 1
+                    progress = True
+        if any(pc[p] < len(prog) for p, prog in enumerate(acts)):
+            witness_times(schedule)   # raises DeadlockError naming the cycle
+            raise AssertionError("dependency order stuck without a cycle")
+
+    def durations(self, costs: Costs | Sequence[Costs]) -> list[list[tuple[float, float, float]]]:
+        return [[(c.of(Kind.F, self.split), c.of(Kind.B, self.split), c.of(Kind.W, self.split)) for c in row]
+                for row in per_stage(costs, self.schedule)]
+
+    def work(self, table: list[list[tuple[float, float, float]]]) -> list[float]:
+        """Per position, the sum of its compute durations: no makespan is below the largest."""
+        return [sum(n * d for cnt, dur in zip(self.count[p], table[p]) for n, d in zip(cnt, dur))
+                for p in range(self.schedule.pp)]
+
+    def makespan(self, table: list[list[tuple[float, float, float]]], comm: float = 0.0) -> float:
+        end: list[float] = []
+        clock = [0.0] * self.schedule.pp
+        for p, c, k, dep, cross in self.order:
+            t = clock[p]
+            if dep >= 0:
+                ready = end[dep] + comm * cross
+                if ready > t:
+                    t = ready
+            t += table[p][c][k]
+            end.append(t)
+            clock[p] = t
+        return max(clock, default=0.0)

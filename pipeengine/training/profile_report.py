@@ -8,10 +8,10 @@ import sys
 import torch
 
 from ..runtime.layers import build_layers
-from ..runtime.planner import PartitionError, choose_bounds, position_costs
+from ..runtime.planner import PartitionError, choose_bounds
 from ..runtime.profile import profile_layers
 from ..runtime.stage import LayerError
-from ..schedule import SCHEDULES, compile_schedule, simulate
+from ..schedule import SCHEDULES, Costs, compile_schedule, simulate
 from .data import batches
 from .models import load_model
 
@@ -58,7 +58,7 @@ def profile_report(model: str, preset: str | None, pp: int, microbatches: int, m
             print(f"{label:<28} {str(exc).splitlines()[0]}")
             continue
         sched = compile_schedule(name, pp, microbatches, chunks, choice.mean_costs())
-        result = simulate(sched, position_costs(choice.stage_costs, sched))
+        result = simulate(sched, [Costs(*c) for c in choice.stage_costs])
         print(f"{label:<28} {str(choice.bounds):<28} {1e3 * result.makespan:8.1f} {result.mean_bubble:7.3f} "
               f"{' '.join(map(str, result.peak_in_flight)):>15} "
               f"{' '.join(f'{m / 2**30:.2f}' for m in choice.memory):>24}")

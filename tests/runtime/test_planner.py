@@ -1,4 +1,5 @@
-"""The split search: exact min-max balance, the simple methods, the simulated best split, and errors."""
+"""The split search: exact min-max balance, the simple methods, the simulated best split (against brute force and on
+20 cost profiles), and errors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import random
 import pytest
 from torch import nn
 
-from pipeengine.runtime.planner import LayerCost, PartitionError, balance_min_max, choose_bounds, describe, partition
+from benchmarks.planner import PROFILES, makespan_of, profile_costs
+from pipeengine.runtime import planner
+from pipeengine.runtime.planner import (LayerCost, PartitionError, balance_min_max, choose_bounds, describe,
+                                        even_bounds, partition)
 from pipeengine.schedule import Costs, compile_schedule, simulate
 
 
@@ -77,3 +81,67 @@ def test_choose_bounds_minimises_the_simulated_step_and_respects_the_memory_cap(
     assert choose_bounds(mixed, sched).bounds == [0, 2, 4]
     assert simulate(sched, [Costs(4, 4, 2), Costs(6, 6, 5)]).makespan > choose_bounds(mixed, sched).makespan
     assert choose_bounds([LayerCost(1, 1, 1, 2, 0, 0)] * 6, sched).bounds == [0, 3, 6]   # deterministic tie
+
+
+def _random_layers(rng: random.Random, n: int) -> list[LayerCost]:
+    out = []
+    for _ in range(n):
+        f, b, w = (rng.uniform(0.2, 2.0) for _ in range(3))
+        out.append(LayerCost(f, b, w, b + w, rng.randint(1, 9) * 100, rng.randint(1, 9) * 1000))
+    return out
+
+
+SMALL = [("1f1b", 2, 3, 1), ("1f1b", 3, 4, 1), ("zb-h1", 2, 3, 1), ("zb-h1", 3, 5, 1), ("gpipe", 2, 2, 1),
+         ("interleaved-1f1b", 2, 2, 2), ("interleaved-1f1b", 2, 4, 2)]
+
+
+@pytest.mark.parametrize("search", ["exhaustive", "local"])
+def test_choose_bounds_equals_brute_force_on_every_small_case(search: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every small schedule x layer count, random per-layer costs: the planner's split is the brute-force best
+    (each split simulated with its stages' own costs; ties to the smaller slowest stage, then earlier bounds),
+    both by its exact search and, forced, by its local search."""
+    if search == "local":
+        monkeypatch.setattr(planner, "EXACT_LIMIT", 0)
+    rng = random.Random(3)
+    simulated = splits = 0
+    for name, pp, m, v in SMALL:
+        sched = compile_schedule(name, pp, m, v)
+        stages = sched.num_stages
+        for n in range(stages, stages + 5):
+            costs = _random_layers(rng, n)
+            every = [[0, *cuts, n] for cuts in itertools.combinations(range(1, n), stages - 1)]
+            widest = [max(sum(c.total for c in costs[x:y]) for x, y in zip(b, b[1:])) for b in every]
+            brute = min((makespan_of(costs, sched, b), wide, b) for b, wide in zip(every, widest))
+            choice = choose_bounds(costs, sched)
+            assert choice.makespan == pytest.approx(brute[0], rel=1e-12), (name, pp, m, v, n)
+            if search == "exhaustive":
+                assert choice.bounds == brute[2]
+                simulated, splits = simulated + choice.candidates, splits + len(every)
+    if search == "exhaustive":
+        assert simulated < 0.6 * splits   # the lower bound spared the simulation of the rest
+
+
+def test_the_simulator_sees_each_stage_not_a_positions_mean() -> None:
+    """Two chunks of 1 and 9 layers on one position are slower than two of 5: per-position means hid it."""
+    sched = compile_schedule("interleaved-1f1b", 2, 4, 2)
+    even = [Costs(5, 5, 5)] * 4
+    lopsided = [Costs(1, 1, 1), Costs(5, 5, 5), Costs(9, 9, 9), Costs(5, 5, 5)]   # stages 0 and 2 on position 0
+    assert simulate(sched, lopsided).makespan > simulate(sched, even).makespan
+    uniform = [LayerCost(1, 1, 1, 2, 0, 0)] * 20
+    choice = choose_bounds(uniform, sched)   # shorter stages where the pipeline fills and drains: 132 < 135
+    assert (choice.bounds, choice.makespan) == ([0, 4, 10, 16, 20], 132.0)
+    assert makespan_of(uniform, sched, [0, 5, 10, 15, 20]) == 135.0
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_planner_on_the_20_cost_profiles(profile: str) -> None:
+    """Never worse than the equal-count split or the min-max split of the layer costs (the old search gave
+    82 uniform layers at pp 8 the sizes [1, 4, 13, 13, 13, 13, 13, 12], +12 % against the balanced split)."""
+    costs = profile_costs(profile)
+    for sched in (compile_schedule("1f1b", 8, 16), compile_schedule("interleaved-1f1b", 4, 8, 2)):
+        choice = choose_bounds(costs, sched)
+        even = even_bounds(len(costs), sched.num_stages)
+        minmax = balance_min_max([c.total for c in costs], sched.num_stages)
+        assert choice.makespan <= makespan_of(costs, sched, even) + 1e-9
+        assert choice.makespan <= makespan_of(costs, sched, minmax) + 1e-9
+        assert choice.makespan == pytest.approx(makespan_of(costs, sched, choice.bounds), rel=1e-12)
