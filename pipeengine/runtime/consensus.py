@@ -34,12 +34,12 @@ Wait = Callable[[Any, str, Sequence[int]], None]
 class Consensus:
     """This rank's part in the end-of-step collectives (see the module note)."""
 
-    def __init__(self, topology: Topology, rank: int, groups: ProcessGroups, num_stages: int, device: torch.device,
-                 wait: Wait, watcher: Watch) -> None:
+    def __init__(self, topology: Topology, rank: int, groups: ProcessGroups, num_stages: int, last_position: int,
+                 device: torch.device, wait: Wait, watcher: Watch) -> None:
         self.topology, self.groups, self.num_stages, self.device, self.wait = topology, groups, num_stages, device, wait
         self.watch = watcher   # reads what the device computed (polled on CUDA, see faults.Watch.host_values)
         position, replica = topology.position_of(rank), topology.replica_of(rank)
-        self.last_rank = topology.rank(topology.pp - 1, replica)
+        self.last_rank = topology.rank(last_position, replica)   # where the loss is computed
         self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
         self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
 

@@ -179,7 +179,8 @@ class PipelineEngine:
         self.groups = self.local.groups
 
     def _setup_sync(self, bucket_mb: float, overlap: bool | None) -> None:
-        self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages, self.device, self._wait,
+        self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages,
+                                   self.schedule.placement(self.plan.num_stages - 1)[0], self.device, self._wait,
                                    self.watch)
         self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, self.watch,
                                   self.consensus.dp_peers, bucket_mb,
@@ -340,17 +341,19 @@ class PipelineEngine:
             self.clock.add(self.stages[0].index, Phase.WAIT, -1, start, self.clock.mark())
         return StepResult(loss=0.0, peak_stored=self.peak_stored)
 
-    def _receive(self, state: _StepState, kind: Kind, a: Action, stage: int, local_key: tuple[Kind, int, int]) -> Any:
-        """An input of ``a``: from the previous stage on this rank (pp = 1), or taken from the wire (timed)."""
-        if self.topology.pp == 1:
-            return state.local.pop(local_key)
+    def _receive(self, state: _StepState, kind: Kind, a: Action, stage: int, producer: int) -> Any:
+        """An input of ``a``: from stage ``producer`` on this rank (pp = 1, a V's turn) or from the wire (timed)."""
+        position, chunk = self.schedule.placement(producer)
+        if position == self.position:
+            return state.local.pop((Kind.F if kind is Kind.RECV_F else Kind.B, a.microbatch, chunk))
         start = self.clock.mark()
         value = self.wire.take(kind, a.microbatch, a.chunk)
         self.clock.add(stage, Phase.WAIT, a.microbatch, start, self.clock.mark())
         return value
 
-    def _pass_on(self, state: _StepState, kind: Kind, a: Action, value: Any) -> None:
-        if self.topology.pp == 1:
+    def _pass_on(self, state: _StepState, kind: Kind, a: Action, value: Any, consumer: int) -> None:
+        """Hand what ``a`` made to stage ``consumer``: kept on this rank when it runs there, else to the wire."""
+        if self.schedule.placement(consumer)[0] == self.position:
             state.local[(kind, a.microbatch, a.chunk)] = value
         else:
             self.wire.put(kind, a.microbatch, a.chunk, value)
@@ -365,18 +368,18 @@ class PipelineEngine:
             if stage.is_first:
                 x = state.inputs[mb]
             else:
-                x = self._receive(state, Kind.RECV_F, a, stage.index, (Kind.F, mb, a.chunk - 1))
+                x = self._receive(state, Kind.RECV_F, a, stage.index, stage.index - 1)
             start = self.clock.mark()
             out = stage.forward(mb, x, state.targets[mb] if stage.is_last else None, state.train, state.keep_outputs)
             if not stage.is_last:
-                self._pass_on(state, Kind.F, a, out)
+                self._pass_on(state, Kind.F, a, out, stage.index + 1)
         elif a.kind is Kind.B:
             grads = (None if stage.is_last
-                     else self._receive(state, Kind.RECV_B, a, stage.index, (Kind.B, mb, a.chunk + 1)))
+                     else self._receive(state, Kind.RECV_B, a, stage.index, stage.index + 1))
             start = self.clock.mark()
             input_grads = stage.backward(mb, grads, self.schedule.split_backward)
             if not stage.is_first:
-                self._pass_on(state, Kind.B, a, input_grads)
+                self._pass_on(state, Kind.B, a, input_grads, stage.index - 1)
         elif a.kind is Kind.W:
             start = self.clock.mark()
             stage.backward_weight(mb)

@@ -120,7 +120,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     if choice is not None and isinstance(schedule, str) and costs is None:
         costs = choice.mean_costs()   # the communication order (and zb-h1's variant) from the measured costs
         compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
-    eval_schedule = compile_schedule("forward", pp, compiled.microbatches, compiled.chunks)
+    eval_schedule = compile_schedule("forward", pp, compiled.microbatches, compiled.chunks,
+                                     placement=compiled.placement_kind)
     counts = tuple(len(list(m.parameters())) for m in sizing)
     return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, counts)
 

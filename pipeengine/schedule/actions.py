@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 __all__ = [
-    "Kind", "Action", "Step", "Schedule", "ScheduleError",
+    "Kind", "Action", "Step", "Schedule", "ScheduleError", "PLACEMENTS",
     "parse_schedule", "format_schedule", "format_grid", "steps_of",
 ]
 
@@ -91,14 +91,22 @@ Step = tuple[Action, ...]
 together (one coalesced ``batch_isend_irecv`` on NCCL, one call per op on Gloo: see runtime/wire.py)."""
 
 
+PLACEMENTS = ("loop", "v")
+
+
 @dataclass
 class Schedule:
     """One program per position for ``pp`` positions, ``microbatches`` microbatches, ``chunks`` stages per position.
 
-    Placement is Megatron's looping one: chunk ``c`` of position ``p`` is stage ``c * pp + p``,
-    so stage ``s`` feeds stage ``s + 1`` on the next position and the last position feeds the
-    first one's next chunk. ``programs[p]`` is position p's list of steps; before lowering every
-    step is one compute action.
+    ``placement`` says which stage each position runs as each chunk:
+
+    - ``"loop"`` (Megatron's): chunk ``c`` of position ``p`` is stage ``c * pp + p``, so stage ``s``
+      feeds stage ``s + 1`` on the next position and the last position feeds the first one's next chunk.
+    - ``"v"`` (two chunks): position ``p`` runs stages ``p`` and ``2 pp - 1 - p``. The model goes down
+      the positions and back up, so the first and the last stage (inputs, targets and the loss) sit on
+      position 0 and the turn of the V (stage pp - 1 to stage pp) is a hand-off inside the last position.
+
+    ``programs[p]`` is position p's list of steps; before lowering every step is one compute action.
     """
 
     name: str
@@ -108,6 +116,13 @@ class Schedule:
     programs: list[list[Step]] = field(default_factory=list)
     lowered: bool = False
     forward_only: bool = False
+    placement_kind: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.placement_kind not in PLACEMENTS:
+            raise ScheduleError(f"placement {self.placement_kind!r} is not one of {', '.join(PLACEMENTS)}")
+        if self.placement_kind == "v" and self.chunks != 2:
+            raise ScheduleError(f"placement v runs two stages per position (got chunks={self.chunks})")
 
     @property
     def num_stages(self) -> int:
@@ -119,11 +134,23 @@ class Schedule:
         return any(a.kind is Kind.W for prog in self.programs for step in prog for a in step)
 
     def stage(self, position: int, chunk: int) -> int:
+        if self.placement_kind == "v" and chunk == 1:
+            return 2 * self.pp - 1 - position
         return chunk * self.pp + position
 
     def placement(self, stage: int) -> tuple[int, int]:
         """(position, chunk) holding a stage."""
+        if self.placement_kind == "v" and stage >= self.pp:
+            return 2 * self.pp - 1 - stage, 1
         return stage % self.pp, stage // self.pp
+
+    def like(self, programs: list[list[Step]], **changes: object) -> "Schedule":
+        """This schedule's sizes and placement with other programs (and any field changed)."""
+        fields = dict(name=self.name, pp=self.pp, microbatches=self.microbatches, chunks=self.chunks,
+                      programs=programs, lowered=self.lowered, forward_only=self.forward_only,
+                      placement_kind=self.placement_kind)
+        fields.update(changes)
+        return Schedule(**fields)  # type: ignore[arg-type]
 
     def compute_actions(self, position: int) -> list[Action]:
         return [a for step in self.programs[position] for a in step if a.kind.is_compute]
@@ -149,8 +176,9 @@ def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = (), max_s
 
 def format_schedule(schedule: Schedule) -> str:
     """The text form read by :func:`parse_schedule`: one line per position, steps separated by spaces."""
+    shape = "" if schedule.placement_kind == "loop" else f" placement={schedule.placement_kind}"
     head = (f"# schedule={schedule.name} pp={schedule.pp} microbatches={schedule.microbatches} "
-            f"chunks={schedule.chunks}\n")
+            f"chunks={schedule.chunks}{shape}\n")
     body = "\n".join(" ".join("+".join(str(a) for a in step) for step in prog)
                      for prog in schedule.programs)
     return head + body + "\n"
@@ -163,10 +191,12 @@ def parse_schedule(text: str, name: str = "custom") -> Schedule:
     idle markers and are skipped; comm actions posted together are joined with ``+``. Lines
     starting with ``#`` are comments; ``# ... pp=4 microbatches=8 chunks=2`` may set the sizes,
     otherwise they are inferred (pp = number of lines, microbatches and chunks from the largest
-    indices seen). A schedule with any comm action is taken as already lowered.
+    indices seen), and ``placement=v`` the V placement (see :class:`Schedule`). A schedule with any comm
+    action is taken as already lowered.
     """
     programs: list[list[Step]] = []
     sizes: dict[str, int] = {}
+    placement = "loop"
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line:
@@ -174,6 +204,9 @@ def parse_schedule(text: str, name: str = "custom") -> Schedule:
         if line.startswith("#"):
             for key, value in re.findall(r"(pp|microbatches|chunks)=(\d+)", line):
                 sizes[key] = int(value)
+            shape = re.search(r"placement=(\S+)", line)
+            if shape:
+                placement = shape.group(1)
             continue
         line = re.sub(r"^(?:rank|position)\s*\d+\s*[:|]", "", line)   # a grid row as printed
         prog: list[Step] = []
@@ -200,7 +233,8 @@ def parse_schedule(text: str, name: str = "custom") -> Schedule:
     chunks = sizes.get("chunks", 1 + max((a.chunk for a in actions), default=0))
     forward_kinds = (Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.SEND_H, Kind.RECV_H)
     forward_only = bool(actions) and all(a.kind in forward_kinds for a in actions)
-    return Schedule(name, pp, mbs, chunks, programs, lowered=lowered, forward_only=forward_only)
+    return Schedule(name, pp, mbs, chunks, programs, lowered=lowered, forward_only=forward_only,
+                    placement_kind=placement)
 
 
 def steps_of(actions: Sequence[Action]) -> list[Step]:

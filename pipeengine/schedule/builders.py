@@ -14,8 +14,8 @@ from .lower import lower
 from .simulate import simulate
 from .verify import validate
 
-__all__ = ["SCHEDULES", "build_schedule", "compile_schedule", "theoretical_bubble",
-           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "forward_only"]
+__all__ = ["SCHEDULES", "CHUNKS", "build_schedule", "compile_schedule", "theoretical_bubble", "default_chunks",
+           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "forward_only"]
 
 Program = list[Action]
 
@@ -37,8 +37,11 @@ def gpipe(pp: int, microbatches: int) -> list[Program]:
     return [[_F(k) for k in range(microbatches)] + [_B(k) for k in range(microbatches)] for _ in range(pp)]
 
 
-def forward_only(pp: int, microbatches: int, chunks: int = 1) -> list[Program]:
-    """Forwards only (evaluation): every chunk of every microbatch, in microbatch order."""
+def forward_only(pp: int, microbatches: int, chunks: int = 1, placement: str = "loop") -> list[Program]:
+    """Forwards only (evaluation): every chunk of every microbatch, in microbatch order; in V placement every
+    microbatch down the V (chunk 0), then every one back up (chunk 1)."""
+    if placement == "v":
+        return [[_F(k, c) for c in range(chunks) for k in range(microbatches)] for _ in range(pp)]
     return [[_F(k, c) for k in range(microbatches) for c in range(chunks)] for _ in range(pp)]
 
 
@@ -129,17 +132,86 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[Program]:
     return progs
 
 
+def zbv(pp: int, microbatches: int) -> list[Program]:
+    """Zero-bubble V (ZB paper, section 6): two stages per position in V placement, backward split into B and W.
+
+    Position r runs stage r (chunk 0, going down) and stage 2pp-1-r (chunk 1, coming back up), so the
+    last stage and the loss are on position 0. Warm-up: 2(pp-r)-1 chunk-0 forwards, then r times a
+    chunk-1 forward followed by a chunk-0 forward, then pp-r times F, B, W of chunk 1. Steady state:
+    F, B, W on chunk 0, then on chunk 1, until every forward ran. Cool-down: r times B on chunk 0 and
+    chunk 1, then pp-r times B and W on chunk 0, then the W's left (chunk 1 first). With f = b = w
+    per stage the bubble is almost gone and each position holds at most 2pp chunk activations
+    (pp microbatches' worth, as 1F1B's first position). Fewer than 2pp-1 microbatches run the same
+    order with the missing ones left out.
+    """
+    n = max(2 * pp - 1, microbatches)   # the order is laid out for at least 2pp-1 microbatches
+    progs = []
+    for r in range(pp):
+        order: list[Action] = []
+        done = {(kind, c): 0 for kind in (Kind.F, Kind.B, Kind.W) for c in (0, 1)}
+
+        def run(kind: Kind, chunk: int) -> None:
+            mb = done[(kind, chunk)]
+            done[(kind, chunk)] = mb + 1
+            order.append(Action(kind, mb, chunk))
+
+        for _ in range(2 * (pp - r) - 1):
+            run(Kind.F, 0)
+        for _ in range(r):
+            run(Kind.F, 1)
+            run(Kind.F, 0)
+        for _ in range(pp - r):
+            for kind in (Kind.F, Kind.B, Kind.W):
+                run(kind, 1)
+        while done[(Kind.F, 0)] < n or done[(Kind.F, 1)] < done[(Kind.F, 0)]:
+            if done[(Kind.F, 0)] < n:
+                run(Kind.F, 0)
+            run(Kind.B, 0)
+            run(Kind.W, 0)
+            for kind in (Kind.F, Kind.B, Kind.W):
+                run(kind, 1)
+        for _ in range(r):
+            run(Kind.B, 0)
+            run(Kind.B, 1)
+        for _ in range(pp - r):
+            run(Kind.B, 0)
+            run(Kind.W, 0)
+        for chunk in (1, 0):
+            while done[(Kind.W, chunk)] < done[(Kind.B, chunk)]:
+                run(Kind.W, chunk)
+        progs.append([a for a in order if a.microbatch < microbatches])
+    return progs
+
+
 SCHEDULES: dict[str, str] = {
     "gpipe": "all forwards then all backwards (GPipe); holds m microbatches",
     "1f1b": "one-forward-one-backward (PipeDream-flush); holds at most pp-r at position r",
     "interleaved-1f1b": "Megatron interleaved 1F1B over --chunks stages per position",
     "zb-h1": "zero-bubble H1: backward split into B and W, same peak memory as 1F1B",
+    "zbv": "zero-bubble V: two stages per position in V placement (loss on position 0), B and W split",
     "forward": "forward only (evaluation)",
 }
 
 
-def build_schedule(name: str, pp: int, microbatches: int, chunks: int = 1, *, lag_w: bool = True) -> Schedule:
-    """A compute-only schedule by name (see ``SCHEDULES``); ValueError says what would work."""
+CHUNKS = {"interleaved-1f1b": 2, "zbv": 2}   # stages per position when none are asked for (others: 1)
+PLACEMENT = {"zbv": "v"}                    # schedules not named here loop
+
+
+def default_chunks(name: str) -> int:
+    """The stages per position a schedule runs when none are asked for (interleaved-1f1b takes any >= 2,
+    forward any; the others exactly this)."""
+    return CHUNKS.get(name, 1)
+
+
+def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None, *, lag_w: bool = True,
+                   placement: str = "loop") -> Schedule:
+    """A compute-only schedule by name (see ``SCHEDULES``); ValueError says what would work.
+
+    ``chunks`` None takes the schedule's own (2 for interleaved-1f1b and zbv, else 1); ``placement``
+    is for "forward" only (the evaluation program of a training schedule runs on its placement).
+    """
+    if chunks is None:
+        chunks = default_chunks(name)
     if not isinstance(pp, int) or pp < 1:
         raise ValueError(f"pp must be an integer >= 1 (got {pp!r})")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -148,29 +220,33 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int = 1, *, la
         raise ValueError(f"chunks must be an integer >= 1 (got {chunks!r})")
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if chunks != 1 and name not in ("interleaved-1f1b", "forward"):
-        raise ValueError(f"schedule {name!r} runs one stage per position (got chunks={chunks}); "
-                         f"use interleaved-1f1b for several chunks per position")
+    if name not in ("interleaved-1f1b", "forward") and chunks != default_chunks(name):
+        n = default_chunks(name)
+        raise ValueError(f"schedule {name!r} runs {'one stage' if n == 1 else f'{n} stages'} per position (got "
+                         f"chunks={chunks}); use interleaved-1f1b for several chunks per position")
+    if name != "forward":
+        placement = PLACEMENT.get(name, "loop")
     builders: dict[str, Callable[[], list[Program]]] = {
         "gpipe": lambda: gpipe(pp, microbatches),
         "1f1b": lambda: one_f_one_b(pp, microbatches),
         "interleaved-1f1b": lambda: interleaved_1f1b(pp, microbatches, chunks),
         "zb-h1": lambda: zb_h1(pp, microbatches, lag_w),
-        "forward": lambda: forward_only(pp, microbatches, chunks),
+        "zbv": lambda: zbv(pp, microbatches),
+        "forward": lambda: forward_only(pp, microbatches, chunks, placement),
     }
     programs = [steps_of(p) for p in builders[name]()]
-    return Schedule(name, pp, microbatches, chunks, programs, forward_only=name == "forward")
+    return Schedule(name, pp, microbatches, chunks, programs, forward_only=name == "forward", placement_kind=placement)
 
 
-def compile_schedule(name: str, pp: int, microbatches: int, chunks: int = 1,
-                     costs: Costs | None = None) -> Schedule:
+def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None,
+                     costs: Costs | None = None, placement: str = "loop") -> Schedule:
     """Build, lower and validate: the exact program the engine runs.
 
     ``costs`` (per stage; default uniform f = b = w) order the communication: the schedule is
     lowered with them (see :func:`lower`). For zb-h1 both W orderings are lowered and simulated
     with them and the faster one kept (ties go to the paper's H1).
     """
-    lowered = lower(build_schedule(name, pp, microbatches, chunks), costs)
+    lowered = lower(build_schedule(name, pp, microbatches, chunks, placement=placement), costs)
     validate(lowered)
     if name == "zb-h1":
         alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False), costs)
@@ -181,19 +257,23 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int = 1,
     return lowered
 
 
-def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int = 1,
+def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int | None = None,
                        costs: Costs | None = None) -> float:
-    """Closed-form idle fraction for uniform stages and free communication.
+    """Idle fraction for uniform stages and free communication: a closed form where one is known.
 
     gpipe / 1f1b / forward: (p-1)/(m+p-1). interleaved-1f1b: (p-1)/(v*m+p-1) (bubble time
     divided by v). zb-h1: idle (p-1)*(f+b-w) per position over makespan m*(f+b+w) + (p-1)*(f+b-w),
-    valid while w <= f + b (the zero-bubble paper's H1 figure).
+    valid while w <= f + b (the zero-bubble paper's H1 figure). Others (zbv): the simulated bubble
+    of the schedule with these uniform costs.
     """
-    p, m, v = pp, microbatches, chunks
+    p, m, v = pp, microbatches, default_chunks(name) if chunks is None else chunks
     if name == "interleaved-1f1b":
         return (p - 1) / (v * m + p - 1)
     if name == "zb-h1":
         c = costs or Costs()
         idle = (p - 1) * (c.f + c.b - c.w)
         return float(idle / (m * (c.f + c.b + c.w) + idle))
-    return (p - 1) / (m + p - 1)
+    if name in ("gpipe", "1f1b", "forward"):
+        return (p - 1) / (m + p - 1)
+    c = (costs or Costs()).per_chunk(v)
+    return simulate(compile_schedule(name, p, m, v, c), c).mean_bubble

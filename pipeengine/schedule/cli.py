@@ -11,7 +11,7 @@ import sys
 from typing import Sequence
 
 from .actions import Schedule, format_schedule, parse_schedule
-from .builders import SCHEDULES, compile_schedule, theoretical_bubble
+from .builders import SCHEDULES, compile_schedule, default_chunks, theoretical_bubble
 from .costs import Costs
 from .lower import lower
 from .simulate import SimResult, simulate
@@ -33,11 +33,16 @@ def summary(schedule: Schedule, result: SimResult, costs: Costs) -> str:
     ]
     if schedule.name in SCHEDULES:
         tb = theoretical_bubble(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks, costs)
+        closed = ("gpipe", "1f1b", "interleaved-1f1b", "forward")
         why = ("zero-bubble paper's H1 figure, exact when f = b = w" if schedule.name == "zb-h1"
-               else "closed form, uniform stages, free comm")
+               else "closed form, uniform stages, free comm" if schedule.name in closed
+               else "simulated with uniform stages, free comm: no closed form")
         lines.append(f"bubble (theory)     {tb:.3f}   ({why})")
     lines.append("peak in flight      " + " ".join(str(x) for x in result.peak_in_flight)
                  + "   (microbatch activations held per stage, per position)")
+    if schedule.chunks > 1:
+        lines.append("  in microbatches   " + " ".join(f"{x / schedule.chunks:g}" for x in result.peak_in_flight)
+                     + f"   (the same over {schedule.chunks} chunks: a position's whole share per microbatch)")
     return "\n".join(lines)
 
 
@@ -72,8 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                         + "; ".join(f"{k}: {v}" for k, v in SCHEDULES.items()))
     parser.add_argument("--pp", type=_count, default=4, help="pipeline positions (default 4)")
     parser.add_argument("--microbatches", "-m", type=_count, default=8, help="microbatches per step (default 8)")
-    parser.add_argument("--chunks", "-v", type=_count, default=1,
-                        help="stages per position, for interleaved-1f1b (default 1)")
+    parser.add_argument("--chunks", "-v", type=_count, default=None,
+                        help="stages per position (default: the schedule's own, 2 for interleaved-1f1b and zbv, "
+                             "else 1)")
     parser.add_argument("--tf", type=_cost, default=1.0, help="forward cost (default 1)")
     parser.add_argument("--tb", type=_cost, default=1.0,
                         help="backward input-gradient cost (default 1); schedules without W run b+w in B")
@@ -106,7 +112,8 @@ def _load(args: argparse.Namespace, costs: Costs) -> Schedule:
         sched = lower(sched, costs.per_chunk(sched.chunks))
         validate(sched)
         return sched
-    return compile_schedule(args.schedule, args.pp, args.microbatches, args.chunks, costs.per_chunk(args.chunks))
+    chunks = default_chunks(args.schedule) if args.chunks is None else args.chunks
+    return compile_schedule(args.schedule, args.pp, args.microbatches, chunks, costs.per_chunk(chunks))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -132,3 +132,8 @@ def _check_action(schedule: Schedule, p: int, i: int, a: Action, done: dict[tupl
     if need is not None and (need, a.microbatch, a.chunk) not in done:
         raise fail(schedule, p, i, f"{a} runs before {Action(need, a.microbatch, a.chunk)} "
                                    f"at this position ({a.kind.value} needs {need.value} first)")
+    dep = dependency(schedule, p, a)
+    if dep is not None and dep[0] == p and (dep[1].kind, dep[1].microbatch, dep[1].chunk) not in done:
+        raise fail(schedule, p, i, f"{a} runs before {dep[1]}, whose result it takes on this position "
+                                   f"(stages {schedule.stage(p, dep[1].chunk)} and {schedule.stage(p, a.chunk)} "
+                                   f"are both here)")

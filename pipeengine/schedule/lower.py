@@ -126,8 +126,7 @@ def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> S
                 events[p].append((key, send))
                 events[q].append((key, recv))
     programs = [_batched([a for _, a in sorted(evs, key=lambda e: e[0])]) for evs in events]
-    return Schedule(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks,
-                    _add_headers(schedule, programs), lowered=True, forward_only=schedule.forward_only)
+    return schedule.like(_add_headers(schedule, programs), lowered=True)
 
 
 def _batched(actions: list[Action]) -> list[Step]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from ..runtime.options import ON_NONFINITE, PRECISIONS, WIRE_MODES
 from ..runtime.topology import Topology
-from ..schedule.builders import SCHEDULES
+from ..schedule.builders import SCHEDULES, default_chunks
 from . import checks
 from .batch import Batch, split_global_batch
 from .checks import BUILTIN_MODELS, Check, at_least, finite
@@ -89,7 +89,8 @@ class ScheduleConfig:
     """The pipeline schedule and the split of the layers into stages."""
 
     name: str = setting("1f1b", "the pipeline schedule", flag="--schedule", choices=TRAINING_SCHEDULES)
-    chunks: int = setting(0, "stages per position (0: 2 for interleaved-1f1b, else 1)", check=at_least(0))
+    chunks: int = setting(0, "stages per position (0: the schedule's own, 2 for interleaved-1f1b and zbv, else 1)",
+                          check=at_least(0))
     microbatches: int | None = setting(None, "microbatches per step per replica (None: 4 when the global batch "
                                              "allows, or what it and -b leave)", short="-m", check=at_least(1))
     partition: str = setting("profile", "stage bounds: profile (time every layer's F, B and W on the first "
@@ -221,13 +222,14 @@ class Config:
             s.set(self, s.checked(s.get(self)))
         sch, opt, log = self.schedule, self.optimizer, self.logging
         if sch.chunks == 0:
-            sch.chunks = 2 if sch.name == "interleaved-1f1b" else 1
+            sch.chunks = default_chunks(sch.name)
         if sch.name == "interleaved-1f1b" and sch.chunks < 2:
             raise ValueError(f"--schedule interleaved-1f1b needs --chunks >= 2 (got {sch.chunks}); use 1f1b for "
                              f"one stage per position")
-        if sch.name != "interleaved-1f1b" and sch.chunks != 1:
-            raise ValueError(f"--schedule {sch.name} runs one stage per position (got --chunks {sch.chunks}); use "
-                             f"interleaved-1f1b for several")
+        if sch.name != "interleaved-1f1b" and sch.chunks != default_chunks(sch.name):
+            n = default_chunks(sch.name)
+            raise ValueError(f"--schedule {sch.name} runs {'one stage' if n == 1 else f'{n} stages'} per position "
+                             f"(got --chunks {sch.chunks}); use interleaved-1f1b for any number")
         if sch.memory_cap is not None and sch.partition != "profile":
             raise ValueError("--memory-cap is planned for by --partition profile only; drop it or use profile")
         if opt.min_lr > opt.lr:

@@ -15,7 +15,9 @@ STEPS, M, ROWS = 3, 4, 2
 SPLITS = [(1, "1f1b", 1, "uniform"),
           (2, "1f1b", 1, "uniform"), (2, "1f1b", 1, (0, 3, 8)), (2, "gpipe", 1, (0, 6, 8)), (2, "zb-h1", 1, "uniform"),
           (2, "interleaved-1f1b", 2, "uniform"),
-          (4, "1f1b", 1, "uniform"), (4, "zb-h1", 1, (0, 1, 2, 7, 8)), (4, "interleaved-1f1b", 2, "uniform")]
+          (2, "zbv", 2, (0, 1, 4, 7, 8)),
+          (4, "1f1b", 1, "uniform"), (4, "zb-h1", 1, (0, 1, 2, 7, 8)), (4, "interleaved-1f1b", 2, "uniform"),
+          (4, "zbv", 2, "uniform")]   # zbv: embedding and tied head both on position 0
 
 
 def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, precision: str) -> dict[str, Any]:

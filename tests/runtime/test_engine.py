@@ -25,6 +25,8 @@ WORLD2: list[Case] = [
     case("tuple", "adam", "zb-h1", 2, 1, 2),
     case("tied", "adam", "1f1b", 1, 2, 4), case("tied", "sgd", "interleaved-1f1b", 2, 1, 4, **INTERLEAVED_TIE),
     case("tied", "adam", "1f1b", 2, 1, 4),
+    # V placement: the first and the last stage (and a tie between them) on position 0, the turn local
+    case("mlp", "adam", "zbv", 2, 1, 4, **TWO), case("tied", "adam", "zbv", 2, 1, 4, **TWO),
     # the Gloo fast path (a tag per transfer) and the NCCL path (coalesced steps) give the same results
     case("mlp", "sgd", "interleaved-1f1b", 2, 1, 4, wire="coalesced", **TWO),
     case("tuple", "adam", "1f1b", 2, 1, 4, wire="coalesced"), case("tuple", "adam", "zb-h1", 2, 1, 4, wire="tags"),
@@ -42,6 +44,7 @@ WORLD4: list[Case] = [
     case("mlp", "adam", "zb-h1", 4, 1, 8), case("factories", "adam", "zb-h1", 4, 1, 8),
     case("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, **TWO),
     case("tuple", "adam", "interleaved-1f1b", 4, 1, 4, **TWO),
+    case("mlp", "sgd", "zbv", 2, 2, 4, **TWO), case("tuple", "adam", "zbv", 4, 1, 8, **TWO),
     case("mlp", "sgd", "1f1b", 4, 1, 8, wire="tags"),
     *[c.but(overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)
       for c in (case("mlp", "sgd", "1f1b", 2, 2, 4), case("mlp", "adam", "zb-h1", 2, 2, 4),
