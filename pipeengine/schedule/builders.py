@@ -6,12 +6,13 @@ it with paired communication (lower.py) and proves it (verify.py): the exact pro
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from .actions import Action, Kind, Schedule, steps_of
 from .costs import Costs
 from .lower import lower
 from .simulate import simulate
+from .synth import synthesise
 from .verify import validate
 
 __all__ = ["SCHEDULES", "CHUNKS", "build_schedule", "compile_schedule", "theoretical_bubble", "default_chunks",
@@ -189,12 +190,30 @@ SCHEDULES: dict[str, str] = {
     "interleaved-1f1b": "Megatron interleaved 1F1B over --chunks stages per position",
     "zb-h1": "zero-bubble H1: backward split into B and W, same peak memory as 1F1B",
     "zbv": "zero-bubble V: two stages per position in V placement (loss on position 0), B and W split",
+    "zb-h2": "zero-bubble H2: warm-up runs ahead (up to 2pp-1 microbatches held) so the drain has no bubble",
+    "interleaved-zb": "interleaved zero bubble: --chunks stages per position (loop), B and W split, W's fill the gaps",
+    "v-half": "V placement, B and W split, at most (pp+2)//2 microbatches held per position (half of 1F1B's first)",
+    "v-min": "V placement, B and W split, at most (pp+4)//3 microbatches held per position (a third)",
     "forward": "forward only (evaluation)",
 }
 
 
-CHUNKS = {"interleaved-1f1b": 2, "zbv": 2}   # stages per position when none are asked for (others: 1)
-PLACEMENT = {"zbv": "v"}                    # schedules not named here loop
+CHUNKS = {"interleaved-1f1b": 2, "interleaved-zb": 2, "zbv": 2, "v-half": 2, "v-min": 2}   # others: 1 stage
+PLACEMENT = {"zbv": "v", "v-half": "v", "v-min": "v"}   # schedules not named here loop
+ANY_CHUNKS = ("interleaved-1f1b", "interleaved-zb", "forward")
+
+
+def synthesis_caps(name: str, pp: int, microbatches: int, chunks: int) -> list[int]:
+    """The memory cap per position (chunk activations) a synthesised schedule is built under (synth.py)."""
+    if name == "zb-h2":
+        return [2 * pp - 1] * pp
+    if name == "v-half":
+        return [2 * ((pp + 2) // 2)] * pp
+    if name == "v-min":
+        return [2 * ((pp + 4) // 3)] * pp
+    # interleaved-zb: interleaved 1F1B's peaks and pp more chunk activations, for the W's to wait in
+    warm = [min(microbatches * chunks, 2 * (pp - r - 1) + (chunks - 1) * pp) + 1 for r in range(pp)]
+    return [w + pp for w in warm]
 
 
 def default_chunks(name: str) -> int:
@@ -203,12 +222,17 @@ def default_chunks(name: str) -> int:
     return CHUNKS.get(name, 1)
 
 
+SYNTHESISED = ("zb-h2", "interleaved-zb", "v-half", "v-min")
+
+
 def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None, *, lag_w: bool = True,
-                   placement: str = "loop") -> Schedule:
+                   placement: str = "loop", costs: Costs | Sequence[Costs] | None = None) -> Schedule:
     """A compute-only schedule by name (see ``SCHEDULES``); ValueError says what would work.
 
-    ``chunks`` None takes the schedule's own (2 for interleaved-1f1b and zbv, else 1); ``placement``
+    ``chunks`` None takes the schedule's own (2 for the interleaved and V ones, else 1); ``placement``
     is for "forward" only (the evaluation program of a training schedule runs on its placement).
+    zb-h2, interleaved-zb, v-half and v-min are synthesised (synth.py) for ``costs`` (per stage: one
+    Costs or one per stage; default f = b = w = 1) under their memory caps.
     """
     if chunks is None:
         chunks = default_chunks(name)
@@ -220,12 +244,18 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
         raise ValueError(f"chunks must be an integer >= 1 (got {chunks!r})")
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name not in ("interleaved-1f1b", "forward") and chunks != default_chunks(name):
+    if name not in ANY_CHUNKS and chunks != default_chunks(name):
         n = default_chunks(name)
         raise ValueError(f"schedule {name!r} runs {'one stage' if n == 1 else f'{n} stages'} per position (got "
                          f"chunks={chunks}); use interleaved-1f1b for several chunks per position")
     if name != "forward":
         placement = PLACEMENT.get(name, "loop")
+    if name in SYNTHESISED:
+        if name == "interleaved-zb" and chunks < 2:
+            raise ValueError(f"interleaved-zb needs chunks >= 2 (got {chunks}); use zb-h1 or zb-h2 for one stage "
+                             f"per position")
+        return synthesise(name, pp, microbatches, chunks, placement, Costs() if costs is None else costs,
+                          synthesis_caps(name, pp, microbatches, chunks))
     builders: dict[str, Callable[[], list[Program]]] = {
         "gpipe": lambda: gpipe(pp, microbatches),
         "1f1b": lambda: one_f_one_b(pp, microbatches),
@@ -246,7 +276,7 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
     lowered with them (see :func:`lower`). For zb-h1 both W orderings are lowered and simulated
     with them and the faster one kept (ties go to the paper's H1).
     """
-    lowered = lower(build_schedule(name, pp, microbatches, chunks, placement=placement), costs)
+    lowered = lower(build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs), costs)
     validate(lowered)
     if name == "zb-h1":
         alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False), costs)

@@ -10,7 +10,7 @@ from .costs import Costs, per_stage
 from .dataflow import dependency, partner, raise_cycle
 from .lower import lower, witness_times
 
-__all__ = ["SimResult", "simulate", "in_flight_peaks", "Dataflow"]
+__all__ = ["SimResult", "simulate", "in_flight_peaks", "stage_peaks", "Dataflow"]
 
 Interval = tuple[float, float, Step]
 
@@ -45,6 +45,23 @@ def in_flight_peaks(schedule: Schedule) -> list[int]:
             held += 1 if a.kind is Kind.F else -1 if a.kind is release else 0
             peak = max(peak, held)
         peaks.append(peak)
+    return peaks
+
+
+def stage_peaks(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the peak count of microbatch activations it holds (from F until B, or W when split): what the
+    engine's stages count live (``StepResult.peak_stored``)."""
+    if schedule.forward_only:
+        return {s: 0 for s in range(schedule.num_stages)}
+    release = Kind.W if schedule.split_backward else Kind.B
+    peaks = {}
+    for p in range(schedule.pp):
+        held = [0] * schedule.chunks
+        peak = [0] * schedule.chunks
+        for a in schedule.compute_actions(p):
+            held[a.chunk] += 1 if a.kind is Kind.F else -1 if a.kind is release else 0
+            peak[a.chunk] = max(peak[a.chunk], held[a.chunk])
+        peaks.update({schedule.stage(p, c): peak[c] for c in range(schedule.chunks)})
     return peaks
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeengine.schedule import compile_schedule
+from pipeengine.schedule.simulate import stage_peaks as simulated_stage_peaks
 from tests.runtime.equivalence import DIM, GLOBAL_BATCH, Case, case, check, run_case, stage_peaks
 
 INTERLEAVED_TIE = {"chunks": 2, "partition": (0, 2, 4, 7, 10)}   # layers 0 and 4 both at position 0
@@ -27,6 +29,9 @@ WORLD2: list[Case] = [
     case("tied", "adam", "1f1b", 2, 1, 4),
     # V placement: the first and the last stage (and a tie between them) on position 0, the turn local
     case("mlp", "adam", "zbv", 2, 1, 4, **TWO), case("tied", "adam", "zbv", 2, 1, 4, **TWO),
+    # synthesised (synth.py): zero-bubble H2, interleaved zero bubble, V with controllable memory
+    case("mlp", "adam", "zb-h2", 2, 1, 4), case("mlp", "sgd", "interleaved-zb", 2, 1, 4, **TWO),
+    case("mlp", "adam", "v-half", 2, 1, 4, **TWO), case("tied", "adam", "v-min", 2, 1, 4, **TWO),
     # the Gloo fast path (a tag per transfer) and the NCCL path (coalesced steps) give the same results
     case("mlp", "sgd", "interleaved-1f1b", 2, 1, 4, wire="coalesced", **TWO),
     case("tuple", "adam", "1f1b", 2, 1, 4, wire="coalesced"), case("tuple", "adam", "zb-h1", 2, 1, 4, wire="tags"),
@@ -45,6 +50,8 @@ WORLD4: list[Case] = [
     case("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, **TWO),
     case("tuple", "adam", "interleaved-1f1b", 4, 1, 4, **TWO),
     case("mlp", "sgd", "zbv", 2, 2, 4, **TWO), case("tuple", "adam", "zbv", 4, 1, 8, **TWO),
+    case("mlp", "adam", "v-half", 4, 1, 8, **TWO), case("tuple", "adam", "zb-h2", 4, 1, 8),
+    case("mlp", "adam", "interleaved-zb", 2, 2, 4, **TWO),
     case("mlp", "sgd", "1f1b", 4, 1, 8, wire="tags"),
     *[c.but(overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)
       for c in (case("mlp", "sgd", "1f1b", 2, 2, 4), case("mlp", "adam", "zb-h1", 2, 2, 4),
@@ -74,6 +81,8 @@ def test_equals_single_process(c: Case, request: pytest.FixtureRequest) -> None:
     rs = results(c, request)
     check(rs, c)
     peaks = stage_peaks(rs)
+    compiled = compile_schedule(c.schedule, c.pp, c.m, c.options.get("chunks"))
+    assert peaks == simulated_stage_peaks(compiled), (peaks, simulated_stage_peaks(compiled))   # live = simulated
     if c.schedule == "1f1b" and not c.options.get("chunks"):   # 1F1B holds min(pp - s, m) at stage s
         assert peaks == {s: min(c.pp - s, c.m) for s in range(c.pp)}, peaks
     if c.schedule == "gpipe":

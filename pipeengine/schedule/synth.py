@@ -1,0 +1,151 @@
+"""Schedules synthesised from costs and a memory cap: a greedy list scheduler over a placement (the zero-bubble idea).
+
+[Note: the greedy synthesiser]
+Every position runs F, B and W of its stages (backward split: B is the input gradient, on the
+critical path back through the pipeline; W the weight gradient, free to move). Time is simulated:
+the position that is free earliest picks its next action among those whose input has arrived:
+
+1. a B (it unblocks the previous stage and frees nothing yet, but the whole backward wave waits on
+   it), of the stage that ``b_order`` prefers;
+2. else an F, if the position holds fewer chunk activations than its cap (an activation is held
+   from F until W) and one slot stays free for each deeper stage on the position, of the stage
+   ``f_first`` prefers;
+3. else a W (it fills a gap and frees an activation);
+4. else it waits until something arrives.
+
+Within a stage microbatches run in order. With the cap of 1F1B and the loop placement this gives
+1F1B with W's filling the drain (ZB-H1); a larger cap lets the warm-up run ahead (ZB-H2); the V
+placement with caps of pp, (pp + 2)//2 and (pp + 4)//3 microbatches gives ZB-V-like, V-Half-like and
+V-Min-like orders. :func:`synthesise` tries the four preference orders and keeps the shortest
+makespan; the result is an ordinary compute-only schedule that is lowered and proven like any other.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .actions import Action, Kind, Schedule, ScheduleError, steps_of
+from .costs import Costs, per_stage
+
+__all__ = ["greedy", "synthesise"]
+
+
+def greedy(pp: int, microbatches: int, chunks: int, placement: str, costs: Costs | Sequence[Costs],
+           cap: Sequence[int], f_first: str = "low", b_first: str = "high") -> tuple[list[list[Action]], float]:
+    """Per position, the order of its F/B/W actions, and the makespan the greedy simulated (see the module note).
+
+    ``cap``: per position, the most chunk activations it may hold at once (a chunk activation is one
+    microbatch through one stage). ``f_first`` / ``b_first``: "low" or "high", which stage a position
+    prefers when it could run an F (or a B) on several. Raises ScheduleError when a cap is too small
+    for the microbatches to get through.
+    """
+    shape = Schedule("synth", pp, microbatches, chunks, [], placement_kind=placement)
+    table = per_stage(costs, shape)
+    comm = table[0][0].comm
+    stages = pp * chunks
+    where = [shape.placement(s) for s in range(stages)]
+    mine = [[shape.stage(p, c) for c in range(chunks)] for p in range(pp)]
+    f_end: dict[tuple[int, int], float] = {}   # (stage, mb) -> when its F ended
+    b_end: dict[tuple[int, int], float] = {}
+    next_f = [0] * stages
+    next_b = [0] * stages
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]   # (stage, mb) whose B ran, W not yet
+    held = [0] * pp
+    clock = [0.0] * pp
+    order: list[list[Action]] = [[] for _ in range(pp)]
+    left = [3 * microbatches * chunks] * pp
+
+    def arrival(end: float, producer: int, consumer: int) -> float:
+        return end + (comm if where[producer][0] != where[consumer][0] else 0.0)
+
+    def f_ready(s: int) -> float | None:
+        mb = next_f[s]
+        if mb >= microbatches:
+            return None
+        if s == 0:
+            return 0.0
+        end = f_end.get((s - 1, mb))
+        return None if end is None else arrival(end, s - 1, s)
+
+    def b_ready(s: int) -> float | None:
+        mb = next_b[s]
+        if mb >= microbatches or (s, mb) not in f_end:
+            return None
+        if s == stages - 1:
+            return f_end[(s, mb)]
+        end = b_end.get((s + 1, mb))
+        return None if end is None else max(arrival(end, s + 1, s), f_end[(s, mb)])
+
+    def run(p: int, kind: Kind, s: int, mb: int) -> None:
+        c = where[s][1]
+        cost = table[p][c]
+        start = clock[p]
+        end = start + (cost.f if kind is Kind.F else cost.b if kind is Kind.B else cost.w)
+        clock[p] = end
+        order[p].append(Action(kind, mb, c))
+        left[p] -= 1
+        if kind is Kind.F:
+            f_end[(s, mb)] = end
+            next_f[s] += 1
+            held[p] += 1
+        elif kind is Kind.B:
+            b_end[(s, mb)] = end
+            next_b[s] += 1
+            pending_w[p].append((s, mb))
+        else:
+            held[p] -= 1
+
+    f_key = (lambda s: s) if f_first == "low" else (lambda s: -s)
+    b_key = (lambda s: -s) if b_first == "high" else (lambda s: s)
+
+    def room(p: int, s: int) -> bool:
+        """Whether an F of stage ``s`` fits under the cap, keeping a slot for each deeper stage here that has
+        forwards left (else a position full of shallow activations waits for a deep one forever)."""
+        keep = sum(1 for d in mine[p] if d > s and next_f[d] < microbatches)
+        return held[p] + 1 + keep <= cap[p]
+
+    def act(p: int, now: float) -> bool:
+        ready_b = [(b_key(s), s) for s in mine[p] if (t := b_ready(s)) is not None and t <= now]
+        if ready_b:
+            s = min(ready_b)[1]
+            run(p, Kind.B, s, next_b[s])
+            return True
+        ready_f = [(f_key(s), s) for s in mine[p] if (t := f_ready(s)) is not None and t <= now and room(p, s)]
+        if ready_f:
+            s = min(ready_f)[1]
+            run(p, Kind.F, s, next_f[s])
+            return True
+        if pending_w[p]:
+            s, mb = pending_w[p].pop(0)
+            run(p, Kind.W, s, mb)
+            return True
+        return False
+
+    while any(left):
+        now = min(clock[q] for q in range(pp) if left[q])
+        due = [q for q in range(pp) if left[q] and clock[q] <= now]
+        if any(act(q, now) for q in due):
+            continue
+        # nobody due can act: wait for the next arrival, or for a busy position to finish
+        times = [t for q in due for s in mine[q] for t in (b_ready(s), f_ready(s) if room(q, s) else None)
+                 if t is not None and t > now]
+        times += [clock[q] for q in range(pp) if left[q] and clock[q] > now]
+        if not times:
+            raise ScheduleError(f"the memory cap {list(cap)} (chunk activations per position) is too small for "
+                                f"{microbatches} microbatches over {pp} positions x {chunks} chunks: positions "
+                                f"{due} hold {[held[q] for q in due]} and nothing can free one; raise the cap")
+        for q in due:
+            clock[q] = min(times)
+    return order, max(clock)
+
+
+def synthesise(name: str, pp: int, microbatches: int, chunks: int, placement: str,
+               costs: Costs | Sequence[Costs], cap: Sequence[int]) -> Schedule:
+    """The shortest of the greedy's four preference orders, as a compute-only schedule named ``name``."""
+    best: tuple[float, int, list[list[Action]]] | None = None
+    for k, (f_first, b_first) in enumerate((("low", "high"), ("high", "high"), ("low", "low"), ("high", "low"))):
+        order, makespan = greedy(pp, microbatches, chunks, placement, costs, cap, f_first, b_first)
+        if best is None or makespan < best[0] - 1e-12:
+            best = (makespan, k, order)
+    assert best is not None
+    return Schedule(name, pp, microbatches, chunks, [steps_of(prog) for prog in best[2]], placement_kind=placement)
