@@ -95,8 +95,8 @@ def greedy(pp: int, microbatches: int, chunks: int, placement: str, costs: Costs
         else:
             held[p] -= 1
 
-    f_key = (lambda s: s) if f_first == "low" else (lambda s: -s)
-    b_key = (lambda s: -s) if b_first == "high" else (lambda s: s)
+    f_sign = 1 if f_first == "low" else -1   # min() of sign * stage picks the preferred stage
+    b_sign = -1 if b_first == "high" else 1
 
     def room(p: int, s: int) -> bool:
         """Whether an F of stage ``s`` fits under the cap, keeping a slot for each deeper stage here that has
@@ -105,12 +105,12 @@ def greedy(pp: int, microbatches: int, chunks: int, placement: str, costs: Costs
         return held[p] + 1 + keep <= cap[p]
 
     def act(p: int, now: float) -> bool:
-        ready_b = [(b_key(s), s) for s in mine[p] if (t := b_ready(s)) is not None and t <= now]
+        ready_b = [(b_sign * s, s) for s in mine[p] if (t := b_ready(s)) is not None and t <= now]
         if ready_b:
             s = min(ready_b)[1]
             run(p, Kind.B, s, next_b[s])
             return True
-        ready_f = [(f_key(s), s) for s in mine[p] if (t := f_ready(s)) is not None and t <= now and room(p, s)]
+        ready_f = [(f_sign * s, s) for s in mine[p] if (t := f_ready(s)) is not None and t <= now and room(p, s)]
         if ready_f:
             s = min(ready_f)[1]
             run(p, Kind.F, s, next_f[s])
