@@ -141,9 +141,10 @@ def greedy(pp: int, microbatches: int, chunks: int, placement: str, costs: Costs
 
 def synthesise(name: str, pp: int, microbatches: int, chunks: int, placement: str,
                costs: Costs | Sequence[Costs], cap: Sequence[int]) -> Schedule:
-    """The shortest of the greedy's four preference orders, as a compute-only schedule named ``name``."""
+    """The shortest of the greedy's preference orders (four with several chunks), as a compute-only schedule."""
     best: tuple[float, int, list[list[Action]]] | None = None
-    for k, (f_first, b_first) in enumerate((("low", "high"), ("high", "high"), ("low", "low"), ("high", "low"))):
+    orders = (("low", "high"), ("high", "high"), ("low", "low"), ("high", "low")) if chunks > 1 else (("low", "high"),)
+    for k, (f_first, b_first) in enumerate(orders):   # with one stage per position there is nothing to prefer
         order, makespan = greedy(pp, microbatches, chunks, placement, costs, cap, f_first, b_first)
         if best is None or makespan < best[0] - 1e-12:
             best = (makespan, k, order)

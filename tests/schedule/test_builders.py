@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from pipeengine.schedule import (Costs, Schedule, build_schedule, compile_schedule, simulate, theoretical_bubble,
-                                 validate)
+from pipeengine.schedule import (Costs, Schedule, ScheduleError, build_schedule, compile_schedule, format_schedule,
+                                 parse_schedule, simulate, theoretical_bubble, validate)
+from pipeengine.schedule.builders import SYNTHESISED, synthesis_caps
 
 
 def compute_rows(s: Schedule) -> list[str]:
@@ -93,12 +94,15 @@ def test_zb_h1_reaches_closed_form_for_non_uniform_costs(f: float, b: float, w: 
 
 
 SWEEP = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("forward", 1), ("forward", 2),
-         ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)]
+         ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2), ("zb-h2", 1), ("interleaved-zb", 2),
+         ("v-half", 2), ("v-min", 2)]
 
 
 @pytest.mark.parametrize("pp", range(1, 9))
 def test_every_builder_validates_and_simulates(pp: int) -> None:
-    for (name, v), m in itertools.product(SWEEP, range(1, 25)):
+    """Every built-in schedule at every m from 1 to max(24, 4 pp): complete, paired and deadlock-free (compile
+    validates), simulated with uneven costs, and under the memory cap it was synthesised for."""
+    for (name, v), m in itertools.product(SWEEP, range(1, max(25, 4 * pp + 1))):
         if name == "interleaved-1f1b" and pp > 1 and m % pp:
             with pytest.raises(ValueError, match="multiple of pp"):
                 build_schedule(name, pp, m, v)
@@ -107,9 +111,12 @@ def test_every_builder_validates_and_simulates(pp: int) -> None:
         validate(s)  # compile validated already; validating twice must be idempotent
         r = simulate(s, Costs(1.0, 2.0, 1.0, comm=0.5).per_chunk(v))
         n_compute = sum(1 for step in (x for prog in s.programs for x in prog) if step[0].kind.is_compute)
-        per_mb = 1 if name == "forward" else (3 if name == "zb-h1" else 2)
+        per_mb = 1 if name == "forward" else (3 if s.split_backward else 2)
         assert n_compute == pp * v * m * per_mb
         assert r.makespan > 0 and all(0.0 <= b < 1.0 for b in r.bubble)
+        if name in SYNTHESISED:
+            caps = synthesis_caps(name, pp, m, v)
+            assert all(peak <= cap for peak, cap in zip(r.peak_in_flight, caps)), (name, pp, m, r.peak_in_flight)
 
 
 @pytest.mark.parametrize("name,pp,m,v,match", [
@@ -137,3 +144,42 @@ def test_interleaved_suggests_distinct_valid_microbatches(pp: int, m: int, sugge
         build_schedule("interleaved-1f1b", pp, m, 2)
     assert suggestion in str(exc.value)
     build_schedule("interleaved-1f1b", 3, 9, 2)  # a multiple: no error
+
+
+# (schedule, pp, m, makespan, peak microbatches per position or None): unit costs per position's share
+# (f = b = w = 1, free comm); the first six are the figures computed from torch 2.14.1's own schedule IR
+FIGURES = [("zbv", 4, 8, 25.5, 4.0), ("zbv", 8, 32, 99.5, 8.0), ("interleaved-zb", 8, 16, 51.5, None),
+           ("interleaved-1f1b", 8, 16, 58.5, 11.5), ("zb-h2", 8, 16, 55.0, None), ("zb-h2", 4, 8, 27.0, None),
+           ("v-half", 4, 8, 28.0, 3.0), ("v-half", 8, 16, 62.5, 5.0), ("v-min", 4, 8, 35.0, 2.0),
+           ("v-min", 8, 16, 66.5, 4.0)]
+
+
+@pytest.mark.parametrize("name,pp,m,makespan,peak", FIGURES)
+def test_makespans_and_peaks_with_unit_costs(name: str, pp: int, m: int, makespan: float, peak: float | None) -> None:
+    """zb-h2 reaches the bound (pp - 1) f + m (f + b + w); v-half and v-min hold (pp + 2)//2 and (pp + 4)//3."""
+    s = compile_schedule(name, pp, m)
+    r = simulate(s, Costs().per_chunk(s.chunks))
+    assert r.makespan == makespan
+    if peak is not None:
+        assert max(r.peak_in_flight) / s.chunks == peak
+    if name == "v-half":
+        assert peak == (pp + 2) // 2
+    if name == "v-min":
+        assert peak == (pp + 4) // 3
+
+
+def test_v_placement_puts_the_loss_on_position_0_and_turns_locally() -> None:
+    s = compile_schedule("zbv", 4, 8)
+    assert [s.stage(p, c) for c in (0, 1) for p in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert all(s.placement(s.stage(p, c)) == (p, c) for p in range(4) for c in (0, 1))
+    peers = [{a.peer for step in prog for a in step if not a.kind.is_compute} for prog in s.programs]
+    assert peers == [{1}, {0, 2}, {1, 3}, {2}]   # stage 3 -> 4 never leaves position 3; 7 (the loss) is on 0
+    again = parse_schedule(format_schedule(s))
+    assert again.placement_kind == "v" and again.programs == s.programs
+    validate(again)
+
+
+def test_a_local_hand_off_in_the_wrong_order_is_refused() -> None:
+    bad = parse_schedule("# placement=v\nF0 F0.1 B0.1 B0\nF0.1 F0 B0 B0.1\n")   # position 1 runs stage 2 before 1
+    with pytest.raises(ScheduleError, match=r"F0.1 runs before F0, whose result it takes on this position"):
+        validate(bad)
