@@ -1,0 +1,146 @@
+"""``--schedule auto``: the schedule and the partition together, from measured layer costs and a memory cap.
+
+Every library schedule that applies is planned (its best split, planner.py) and simulated with each
+stage's own costs; then, for each placement (one stage per position, the V, two looping chunks), the
+greedy synthesiser (schedule/synth.py) builds an order for the best split of that placement with
+the measured per-stage costs, under the memory cap turned into chunk activations per position. The
+shortest simulated makespan wins, so auto is never slower in simulation than the best library
+schedule under the same cap. It also reports a lower bound no schedule can beat: the larger of the
+busiest position's work and the critical path of one microbatch (every F, then every B, with the
+transfers between positions), and the gap to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..schedule import Costs, Schedule, compile_schedule, lower, simulate, validate
+from ..schedule.builders import synthesis_caps
+from ..schedule.simulate import in_flight_peaks
+from ..schedule.synth import synthesise
+from .planner import Choice, LayerCost, PartitionError, choose_bounds
+
+__all__ = ["AutoChoice", "auto_schedule", "lower_bound", "LIBRARY"]
+
+# (name, chunks): the library auto compares against
+LIBRARY = (("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2),
+           ("v-half", 2), ("v-min", 2))
+_PLACEMENTS = (("loop", 1, ("zb-h2", "zb-h1", "1f1b")), ("v", 2, ("zbv", "v-half", "v-min")),
+               ("loop", 2, ("interleaved-zb", "interleaved-1f1b")))
+
+
+@dataclass
+class AutoChoice:
+    """What auto chose: the lowered, validated schedule, its split and simulated makespan, the lower bound,
+    and every candidate's makespan (None: it did not fit the cap or does not apply)."""
+
+    schedule: Schedule
+    bounds: list[int]
+    stage_costs: list[tuple[float, float, float]]
+    makespan: float
+    bound: float
+    memory: list[float]   # estimated peak bytes per position (as the planner estimates them)
+    candidates: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float:
+        return self.makespan / self.bound if self.bound > 0 else 1.0
+
+    def best_library(self) -> tuple[str, float] | None:
+        lib = [(t, name) for name, t in self.candidates.items() if t is not None and not name.startswith("synth")]
+        return (min(lib)[1], min(lib)[0]) if lib else None
+
+    def describe(self) -> str:
+        lines = [f"schedule auto: {self.schedule.name} (chunks {self.schedule.chunks}, placement "
+                 f"{self.schedule.placement_kind}), bounds {self.bounds}",
+                 f"  simulated step {1e3 * self.makespan:.2f} ms, lower bound {1e3 * self.bound:.2f} ms "
+                 f"(gap {self.gap:.3f}x)"]
+        for name, t in self.candidates.items():
+            lines.append(f"  {name:<28} " + ("does not fit / apply" if t is None else f"{1e3 * t:.2f} ms"))
+        return "\n".join(lines)
+
+
+def lower_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule, microbatches: int,
+                comm: float = 0.0) -> float:
+    """max(busiest position's work, one microbatch's critical path) for a split and placement."""
+    work = [0.0] * schedule.pp
+    for s, (f, b, w) in enumerate(stage_costs):
+        work[schedule.placement(s)[0]] += microbatches * (f + b + w)
+    hops = sum(1 for s in range(len(stage_costs) - 1) if schedule.placement(s)[0] != schedule.placement(s + 1)[0])
+    path = sum(f + b for f, b, _ in stage_costs) + 2 * hops * comm + stage_costs[0][2]   # then W of stage 0
+    return max(max(work), path)
+
+
+def _memory(bounds: Sequence[int], schedule: Schedule, costs: Sequence[LayerCost], state_factor: float) -> list[float]:
+    """Per position: state_factor x its parameter bytes + its peak chunk activations x its largest stage's."""
+    peaks = in_flight_peaks(schedule)
+    out = []
+    for p in range(schedule.pp):
+        mine = [costs[bounds[s]:bounds[s + 1]] for s in range(schedule.num_stages) if schedule.placement(s)[0] == p]
+        params = sum(c.param_bytes for layers in mine for c in layers)
+        act = max(sum(c.activation_bytes for c in layers) for layers in mine)
+        out.append(state_factor * params + peaks[p] * act)
+    return out
+
+
+def _caps_from_memory(choice: Choice, schedule: Schedule, costs: Sequence[LayerCost], memory_cap: float | None,
+                      state_factor: float, default: list[int]) -> list[int]:
+    """Chunk activations each position may hold: what the cap leaves after its parameters' state, over its
+    largest stage activation (no cap: ``default``)."""
+    if memory_cap is None:
+        return default
+    caps = []
+    for p in range(schedule.pp):
+        mine = [s for s in range(schedule.num_stages) if schedule.placement(s)[0] == p]
+        params = sum(c.param_bytes for s in mine for c in costs[choice.bounds[s]:choice.bounds[s + 1]])
+        act = max(sum(c.activation_bytes for c in costs[choice.bounds[s]:choice.bounds[s + 1]]) for s in mine)
+        room = memory_cap - state_factor * params
+        caps.append(max(0, int(room // act)) if act > 0 else 10**9)
+    return caps
+
+
+def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory_cap: float | None = None,
+                  comm: float = 0.0, state_factor: float = 4.0) -> AutoChoice:
+    """The schedule and split with the shortest simulated step (see the module docstring)."""
+    chosen: dict[str, tuple[Choice, Schedule]] = {}
+    candidates: dict[str, float | None] = {}
+    for name, chunks in LIBRARY:
+        try:
+            sched = compile_schedule(name, pp, microbatches, chunks)
+            choice = choose_bounds(costs, sched, memory_cap, state_factor)
+        except (ValueError, PartitionError):   # does not apply (m, layers) or no split fits the cap
+            candidates[name] = None
+            continue
+        candidates[name] = choice.makespan
+        chosen[name] = (choice, sched)
+    results: list[tuple[float, str, Schedule, Choice]] = [
+        (choice.makespan, name, sched, choice) for name, (choice, sched) in chosen.items()]
+    for placement, chunks, family in _PLACEMENTS:
+        planned = [chosen[n] for n in family if n in chosen]
+        label = f"synthesised ({placement}, chunks {chunks})"
+        if not planned:
+            candidates[label] = None
+            continue
+        choice, base = min(planned, key=lambda cs: cs[0].makespan)
+        stage = [Costs(f, b, w, comm) for f, b, w in choice.stage_costs]
+        default = synthesis_caps("zb-h2" if chunks == 1 else "zbv" if placement == "v" else "interleaved-zb", pp,
+                                 microbatches, chunks)
+        caps = _caps_from_memory(choice, base, costs, memory_cap, state_factor, default)
+        try:
+            sched = lower(synthesise("auto", pp, microbatches, chunks, placement, stage, caps), stage)
+        except ValueError:   # the cap leaves too little room for this placement
+            candidates[label] = None
+            continue
+        validate(sched)
+        makespan = simulate(sched, stage).makespan
+        candidates[label] = makespan
+        results.append((makespan, label, sched, choice))
+    if not results:
+        raise PartitionError(f"no schedule fits: every library schedule and every synthesised one needs more "
+                             f"memory than the cap of {(memory_cap or 0) / 2**30:.2f} GiB per position; raise "
+                             f"--memory-cap, use more pipeline positions or recompute (--recompute full)")
+    makespan, _, sched, choice = min(results, key=lambda r: (r[0], r[1]))
+    bound = lower_bound(choice.stage_costs, sched, microbatches, comm)
+    return AutoChoice(sched, list(choice.bounds), list(choice.stage_costs), makespan, bound,
+                      _memory(choice.bounds, sched, costs, state_factor), candidates)
