@@ -19,6 +19,7 @@ from ..schedule import Costs, Schedule, compile_schedule, validate
 from .agree import decided_by_rank0, settings_mismatch
 from .layers import LayerSpec, fingerprint, model_mismatch, sizing_layers
 from . import planner
+from .auto import AutoChoice, auto_schedule
 from .planner import Choice
 from .profile import profile_shares
 
@@ -42,6 +43,7 @@ class Plan:
     costs: Costs | None = None
     choice: Choice | None = field(default=None, compare=False)
     param_counts: tuple[int, ...] = ()   # parameter tensors per layer (the norm's fixed order, numerics.py)
+    auto: AutoChoice | None = field(default=None, compare=False)   # what schedule "auto" chose, and from what
 
     @property
     def num_stages(self) -> int:
@@ -75,7 +77,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
 
     Args:
         layers: the model's layer list (modules or factories, see layers.py); ``pp``: positions.
-        schedule: a name (gpipe, 1f1b, interleaved-1f1b, zb-h1) or a compiled :class:`Schedule`
+        schedule: a name (see ``SCHEDULES``), "auto" (the schedule and the split chosen together from the
+            measured costs, auto.py; needs ``partition="profile"``), or a compiled :class:`Schedule`
             (proven first unless ``validate_schedule`` is False: only to test faults).
         microbatches: per step and replica; ``chunks``: stages per position (interleaved schedules).
         partition: "profile" (measure every layer's F, B and W on ``sample``, in parallel over the
@@ -88,14 +91,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         agree: more settings that must be equal on every rank (compared with the model, in the same
             collective).
     """
-    if isinstance(schedule, Schedule):
-        if schedule.pp != pp:
-            raise ValueError(f"schedule is for pp={schedule.pp} but the topology has pp={pp}")
-        if validate_schedule:
-            validate(schedule)
-        compiled = schedule
-    else:
-        compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
+    auto = schedule == "auto" and pp > 1
+    compiled = _compiled(schedule, pp, microbatches, chunks, costs, validate_schedule, partition)
     sizing = sizing_layers(layers)
     _check_same_everywhere(seed, sizing, dict(agree or {}))
     device = device or torch.device("cpu")
@@ -105,7 +102,9 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
             raise ValueError("partition='profile' times the loss too: pass loss_fn")
         measured = profile_shares(layers, seed, sample, loss_fn, device, precision, compiled.split_backward)
 
-    def decide() -> list[int] | Choice:
+    def decide() -> list[int] | Choice | AutoChoice:
+        if measured and auto:
+            return auto_schedule(measured, pp, microbatches, memory_cap)
         if measured:
             return planner.choose_bounds(measured, compiled, memory_cap)
         if partition == "profile":
@@ -116,14 +115,35 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
 
     decided = decided_by_rank0(decide)
     choice = decided if isinstance(decided, Choice) else None
-    bounds = tuple(decided.bounds if isinstance(decided, Choice) else decided)
-    if choice is not None and isinstance(schedule, str) and costs is None:
+    chosen = decided if isinstance(decided, AutoChoice) else None
+    bounds = tuple(decided if isinstance(decided, list) else decided.bounds)
+    if chosen is not None:   # lowered with the measured per-stage costs already
+        compiled = chosen.schedule
+    elif choice is not None and isinstance(schedule, str) and costs is None:
         costs = choice.mean_costs()   # the communication order (and zb-h1's variant) from the measured costs
         compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
     eval_schedule = compile_schedule("forward", pp, compiled.microbatches, compiled.chunks,
                                      placement=compiled.placement_kind)
     counts = tuple(len(list(m.parameters())) for m in sizing)
-    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, counts)
+    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, counts, chosen)
+
+
+def _compiled(schedule: str | Schedule, pp: int, microbatches: int, chunks: int, costs: Costs | None,
+              validate_schedule: bool, partition: str | Sequence[int]) -> Schedule:
+    """The schedule by name, or the one given (proven); for auto a stand-in until the costs are measured (zb-h1:
+    backward split, so W is timed; 1f1b at pp 1)."""
+    if schedule == "auto" and pp > 1 and partition != "profile":
+        raise ValueError(f"schedule 'auto' chooses the schedule and the split together from measured layer costs: "
+                         f"use partition='profile' (got {partition!r}), or name a schedule")
+    if isinstance(schedule, Schedule):
+        if schedule.pp != pp:
+            raise ValueError(f"schedule is for pp={schedule.pp} but the topology has pp={pp}")
+        if validate_schedule:
+            validate(schedule)
+        return schedule
+    if schedule == "auto":
+        return compile_schedule("zb-h1" if pp > 1 else "1f1b", pp, microbatches)
+    return compile_schedule(schedule, pp, microbatches, chunks, costs)
 
 
 def _check_same_everywhere(seed: int, sizing: Sequence[Any], agree: dict[str, Any]) -> None:

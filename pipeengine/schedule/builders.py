@@ -16,6 +16,7 @@ from .synth import synthesise
 from .verify import validate
 
 __all__ = ["SCHEDULES", "CHUNKS", "build_schedule", "compile_schedule", "theoretical_bubble", "default_chunks",
+           "schedule_bubble",
            "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "forward_only"]
 
 Program = list[Action]
@@ -307,3 +308,11 @@ def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int | None
         return (p - 1) / (m + p - 1)
     c = (costs or Costs()).per_chunk(v)
     return simulate(compile_schedule(name, p, m, v, c), c).mean_bubble
+
+
+def schedule_bubble(schedule: Schedule) -> float:
+    """:func:`theoretical_bubble` of a compiled schedule: its closed form where its name has one, else (auto's
+    synthesised order) its simulated bubble with uniform stages and free communication."""
+    if schedule.name in SCHEDULES:
+        return theoretical_bubble(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks)
+    return simulate(schedule, Costs().per_chunk(schedule.chunks)).mean_bubble

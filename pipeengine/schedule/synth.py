@@ -30,6 +30,116 @@ from .costs import Costs, per_stage
 __all__ = ["greedy", "synthesise"]
 
 
+class _Greedy:
+    """The state of one greedy run (see the module note): what ran where and when, what each position holds."""
+
+    def __init__(self, pp: int, microbatches: int, chunks: int, placement: str, costs: Costs | Sequence[Costs],
+                 cap: Sequence[int], f_first: str, b_first: str) -> None:
+        shape = Schedule("synth", pp, microbatches, chunks, [], placement_kind=placement)
+        self.pp, self.m, self.cap = pp, microbatches, list(cap)
+        self.table = per_stage(costs, shape)
+        self.comm = self.table[0][0].comm
+        stages = pp * chunks
+        self.last = stages - 1
+        self.where = [shape.placement(s) for s in range(stages)]
+        self.mine = [[shape.stage(p, c) for c in range(chunks)] for p in range(pp)]
+        self.f_end: dict[tuple[int, int], float] = {}   # (stage, mb) -> when its F ended
+        self.b_end: dict[tuple[int, int], float] = {}
+        self.next_f = [0] * stages
+        self.next_b = [0] * stages
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]   # B ran, W not yet
+        self.held = [0] * pp
+        self.clock = [0.0] * pp
+        self.order: list[list[Action]] = [[] for _ in range(pp)]
+        self.left = [3 * microbatches * chunks] * pp
+        self.f_sign = 1 if f_first == "low" else -1   # min() of sign * stage picks the preferred stage
+        self.b_sign = -1 if b_first == "high" else 1
+
+    def _arrival(self, end: float, producer: int, consumer: int) -> float:
+        return end + (self.comm if self.where[producer][0] != self.where[consumer][0] else 0.0)
+
+    def f_ready(self, s: int) -> float | None:
+        """When stage s's next F may start (None: not known yet, or none left)."""
+        mb = self.next_f[s]
+        if mb >= self.m:
+            return None
+        if s == 0:
+            return 0.0
+        end = self.f_end.get((s - 1, mb))
+        return None if end is None else self._arrival(end, s - 1, s)
+
+    def b_ready(self, s: int) -> float | None:
+        mb = self.next_b[s]
+        if mb >= self.m or (s, mb) not in self.f_end:
+            return None
+        if s == self.last:
+            return self.f_end[(s, mb)]
+        end = self.b_end.get((s + 1, mb))
+        return None if end is None else max(self._arrival(end, s + 1, s), self.f_end[(s, mb)])
+
+    def room(self, p: int, s: int) -> bool:
+        """Whether an F of stage ``s`` fits under the cap, keeping a slot for each deeper stage here that has
+        forwards left (else a position full of shallow activations waits for a deep one forever)."""
+        keep = sum(1 for d in self.mine[p] if d > s and self.next_f[d] < self.m)
+        return self.held[p] + 1 + keep <= self.cap[p]
+
+    def run(self, p: int, kind: Kind, s: int, mb: int) -> None:
+        cost = self.table[p][self.where[s][1]]
+        end = self.clock[p] + (cost.f if kind is Kind.F else cost.b if kind is Kind.B else cost.w)
+        self.clock[p] = end
+        self.order[p].append(Action(kind, mb, self.where[s][1]))
+        self.left[p] -= 1
+        if kind is Kind.F:
+            self.f_end[(s, mb)] = end
+            self.next_f[s] += 1
+            self.held[p] += 1
+        elif kind is Kind.B:
+            self.b_end[(s, mb)] = end
+            self.next_b[s] += 1
+            self.pending_w[p].append((s, mb))
+        else:
+            self.held[p] -= 1
+
+    def act(self, p: int, now: float) -> bool:
+        """Run position p's next action if one can start at ``now`` (B, else F under the cap, else W)."""
+        ready_b = [(self.b_sign * s, s) for s in self.mine[p] if (t := self.b_ready(s)) is not None and t <= now]
+        if ready_b:
+            s = min(ready_b)[1]
+            self.run(p, Kind.B, s, self.next_b[s])
+            return True
+        ready_f = [(self.f_sign * s, s) for s in self.mine[p]
+                   if (t := self.f_ready(s)) is not None and t <= now and self.room(p, s)]
+        if ready_f:
+            s = min(ready_f)[1]
+            self.run(p, Kind.F, s, self.next_f[s])
+            return True
+        if self.pending_w[p]:
+            s, mb = self.pending_w[p].pop(0)
+            self.run(p, Kind.W, s, mb)
+            return True
+        return False
+
+    def go(self) -> None:
+        pp, clock, left = self.pp, self.clock, self.left
+        while any(left):
+            now = min(clock[q] for q in range(pp) if left[q])
+            due = [q for q in range(pp) if left[q] and clock[q] <= now]
+            if any(self.act(q, now) for q in due):
+                continue
+            # nobody due can act: wait for the next arrival, or for a busy position to finish
+            times = [t for q in due for s in self.mine[q]
+                     for t in (self.b_ready(s), self.f_ready(s) if self.room(q, s) else None)
+                     if t is not None and t > now]
+            times += [clock[q] for q in range(pp) if left[q] and clock[q] > now]
+            if not times:
+                raise ScheduleError(f"the memory cap {self.cap} (chunk activations per position) is too small for "
+                                    f"{self.m} microbatches over {pp} positions x {len(self.mine[0])} chunks: "
+                                    f"positions {due} hold {[self.held[q] for q in due]} and nothing can free one; "
+                                    f"raise the cap")
+            for q in due:
+                clock[q] = min(times)
+
+
 def greedy(pp: int, microbatches: int, chunks: int, placement: str, costs: Costs | Sequence[Costs],
            cap: Sequence[int], f_first: str = "low", b_first: str = "high") -> tuple[list[list[Action]], float]:
     """Per position, the order of its F/B/W actions, and the makespan the greedy simulated (see the module note).
@@ -39,104 +149,9 @@ def greedy(pp: int, microbatches: int, chunks: int, placement: str, costs: Costs
     prefers when it could run an F (or a B) on several. Raises ScheduleError when a cap is too small
     for the microbatches to get through.
     """
-    shape = Schedule("synth", pp, microbatches, chunks, [], placement_kind=placement)
-    table = per_stage(costs, shape)
-    comm = table[0][0].comm
-    stages = pp * chunks
-    where = [shape.placement(s) for s in range(stages)]
-    mine = [[shape.stage(p, c) for c in range(chunks)] for p in range(pp)]
-    f_end: dict[tuple[int, int], float] = {}   # (stage, mb) -> when its F ended
-    b_end: dict[tuple[int, int], float] = {}
-    next_f = [0] * stages
-    next_b = [0] * stages
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]   # (stage, mb) whose B ran, W not yet
-    held = [0] * pp
-    clock = [0.0] * pp
-    order: list[list[Action]] = [[] for _ in range(pp)]
-    left = [3 * microbatches * chunks] * pp
-
-    def arrival(end: float, producer: int, consumer: int) -> float:
-        return end + (comm if where[producer][0] != where[consumer][0] else 0.0)
-
-    def f_ready(s: int) -> float | None:
-        mb = next_f[s]
-        if mb >= microbatches:
-            return None
-        if s == 0:
-            return 0.0
-        end = f_end.get((s - 1, mb))
-        return None if end is None else arrival(end, s - 1, s)
-
-    def b_ready(s: int) -> float | None:
-        mb = next_b[s]
-        if mb >= microbatches or (s, mb) not in f_end:
-            return None
-        if s == stages - 1:
-            return f_end[(s, mb)]
-        end = b_end.get((s + 1, mb))
-        return None if end is None else max(arrival(end, s + 1, s), f_end[(s, mb)])
-
-    def run(p: int, kind: Kind, s: int, mb: int) -> None:
-        c = where[s][1]
-        cost = table[p][c]
-        start = clock[p]
-        end = start + (cost.f if kind is Kind.F else cost.b if kind is Kind.B else cost.w)
-        clock[p] = end
-        order[p].append(Action(kind, mb, c))
-        left[p] -= 1
-        if kind is Kind.F:
-            f_end[(s, mb)] = end
-            next_f[s] += 1
-            held[p] += 1
-        elif kind is Kind.B:
-            b_end[(s, mb)] = end
-            next_b[s] += 1
-            pending_w[p].append((s, mb))
-        else:
-            held[p] -= 1
-
-    f_sign = 1 if f_first == "low" else -1   # min() of sign * stage picks the preferred stage
-    b_sign = -1 if b_first == "high" else 1
-
-    def room(p: int, s: int) -> bool:
-        """Whether an F of stage ``s`` fits under the cap, keeping a slot for each deeper stage here that has
-        forwards left (else a position full of shallow activations waits for a deep one forever)."""
-        keep = sum(1 for d in mine[p] if d > s and next_f[d] < microbatches)
-        return held[p] + 1 + keep <= cap[p]
-
-    def act(p: int, now: float) -> bool:
-        ready_b = [(b_sign * s, s) for s in mine[p] if (t := b_ready(s)) is not None and t <= now]
-        if ready_b:
-            s = min(ready_b)[1]
-            run(p, Kind.B, s, next_b[s])
-            return True
-        ready_f = [(f_sign * s, s) for s in mine[p] if (t := f_ready(s)) is not None and t <= now and room(p, s)]
-        if ready_f:
-            s = min(ready_f)[1]
-            run(p, Kind.F, s, next_f[s])
-            return True
-        if pending_w[p]:
-            s, mb = pending_w[p].pop(0)
-            run(p, Kind.W, s, mb)
-            return True
-        return False
-
-    while any(left):
-        now = min(clock[q] for q in range(pp) if left[q])
-        due = [q for q in range(pp) if left[q] and clock[q] <= now]
-        if any(act(q, now) for q in due):
-            continue
-        # nobody due can act: wait for the next arrival, or for a busy position to finish
-        times = [t for q in due for s in mine[q] for t in (b_ready(s), f_ready(s) if room(q, s) else None)
-                 if t is not None and t > now]
-        times += [clock[q] for q in range(pp) if left[q] and clock[q] > now]
-        if not times:
-            raise ScheduleError(f"the memory cap {list(cap)} (chunk activations per position) is too small for "
-                                f"{microbatches} microbatches over {pp} positions x {chunks} chunks: positions "
-                                f"{due} hold {[held[q] for q in due]} and nothing can free one; raise the cap")
-        for q in due:
-            clock[q] = min(times)
-    return order, max(clock)
+    run = _Greedy(pp, microbatches, chunks, placement, costs, cap, f_first, b_first)
+    run.go()
+    return run.order, max(run.clock)
 
 
 def synthesise(name: str, pp: int, microbatches: int, chunks: int, placement: str,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from ..runtime.options import ON_NONFINITE, PRECISIONS, WIRE_MODES
 from ..runtime.topology import Topology
-from ..schedule.builders import SCHEDULES, default_chunks
+from ..schedule.builders import ANY_CHUNKS, SCHEDULES, default_chunks
 from . import checks
 from .batch import Batch, split_global_batch
 from .checks import BUILTIN_MODELS, Check, at_least, finite
@@ -28,7 +28,7 @@ __all__ = ["Config", "ModelConfig", "DataConfig", "ParallelConfig", "ScheduleCon
            "settings", "flat_config", "MODELS", "TRAINING_SCHEDULES"]
 
 MODELS = BUILTIN_MODELS
-TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "forward")
+TRAINING_SCHEDULES = (*(s for s in SCHEDULES if s != "forward"), "auto")
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, short: str | None = None,
@@ -88,7 +88,9 @@ class ParallelConfig:
 class ScheduleConfig:
     """The pipeline schedule and the split of the layers into stages."""
 
-    name: str = setting("1f1b", "the pipeline schedule", flag="--schedule", choices=TRAINING_SCHEDULES)
+    name: str = setting("1f1b", "the pipeline schedule (auto: the schedule and the split chosen together from the "
+                        "measured layer costs, with --partition profile)", flag="--schedule",
+                        choices=TRAINING_SCHEDULES)
     chunks: int = setting(0, "stages per position (0: the schedule's own, 2 for interleaved-1f1b and zbv, else 1)",
                           check=at_least(0))
     microbatches: int | None = setting(None, "microbatches per step per replica (None: 4 when the global batch "
@@ -223,13 +225,19 @@ class Config:
         sch, opt, log = self.schedule, self.optimizer, self.logging
         if sch.chunks == 0:
             sch.chunks = default_chunks(sch.name)
-        if sch.name == "interleaved-1f1b" and sch.chunks < 2:
-            raise ValueError(f"--schedule interleaved-1f1b needs --chunks >= 2 (got {sch.chunks}); use 1f1b for "
+        if sch.name == "auto" and sch.chunks != 1:
+            raise ValueError(f"--schedule auto chooses the stages per position itself (got --chunks {sch.chunks}); "
+                             f"drop --chunks")
+        if sch.name in ANY_CHUNKS and sch.chunks < 2:
+            raise ValueError(f"--schedule {sch.name} needs --chunks >= 2 (got {sch.chunks}); use 1f1b for "
                              f"one stage per position")
-        if sch.name != "interleaved-1f1b" and sch.chunks != default_chunks(sch.name):
+        if sch.name not in ANY_CHUNKS and sch.chunks != default_chunks(sch.name):
             n = default_chunks(sch.name)
             raise ValueError(f"--schedule {sch.name} runs {'one stage' if n == 1 else f'{n} stages'} per position "
                              f"(got --chunks {sch.chunks}); use interleaved-1f1b for any number")
+        if sch.name == "auto" and sch.partition != "profile":
+            raise ValueError(f"--schedule auto chooses the schedule and the split together from measured layer costs: "
+                             f"use --partition profile (the default), not {sch.partition!r}")
         if sch.memory_cap is not None and sch.partition != "profile":
             raise ValueError("--memory-cap is planned for by --partition profile only; drop it or use profile")
         if opt.min_lr > opt.lr:

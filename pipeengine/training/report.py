@@ -78,9 +78,11 @@ def summary_text(s: dict[str, Any]) -> str:
             parts += f"\n           ({s['oversubscribed']}: the ranks take turns, waits include CPU contention)"
     memory = "  ".join(f"{p}: {memory_text(m)}" for p, m in s["peak_memory_mib"].items()) or "n/a"
     g = s["global_batch"]
+    name, ran = cfg["schedule"]["name"], s.get("schedule_run", cfg["schedule"]["name"])
     return "\n".join([
         "=" * 72,
-        f"model {cfg['model']['name']}/{cfg['model']['preset']}  schedule {cfg['schedule']['name']}  pp {s['pp']} x "
+        f"model {cfg['model']['name']}/{cfg['model']['preset']}  schedule {name if ran == name else f'{name} ({ran})'}"
+        f"  pp {s['pp']} x "
         f"dp {s['dp']}  global batch {g} = dp {s['dp']} x {cfg['schedule']['microbatches']} microbatches x "
         f"{cfg['data']['micro_batch_size']}  steps {cfg['optimizer']['steps']}",
         f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",

@@ -22,7 +22,7 @@ from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
-from ..schedule import theoretical_bubble
+from ..schedule.builders import schedule_bubble
 from .checkpoint import AsyncSaver, CheckpointError, save
 from .cli import to_toml
 from .checks import partition_arg, writable_folder
@@ -115,7 +115,8 @@ class Trainer:
     def _engine(self, point: ResumePoint | None) -> PipelineEngine:
         cfg, model = self.cfg, self.model
         partition, costs = partition_arg(cfg.schedule.partition), None
-        if point is not None and cfg.schedule.partition == "profile" and point.bounds is not None:
+        if (point is not None and cfg.schedule.partition == "profile" and point.bounds is not None
+                and cfg.schedule.name != "auto"):   # auto plans again, from this run's measurements
             # the checkpoint's measured bounds and schedule costs: the resumed run computes as the first did
             partition, costs = point.bounds, point.costs
         sample = None
@@ -146,9 +147,12 @@ class Trainer:
             print(topo.describe())
             if self.engine.plan.choice is not None:
                 print(self.engine.plan.choice.describe(self.engine.schedule.name))
+            if self.engine.plan.auto is not None:
+                print(self.engine.plan.auto.describe())
             print(f"model {cfg.model.name}/{cfg.model.preset}: {self.engine.num_layers} layers, stage bounds "
-                  f"{self.engine.bounds}; schedule {cfg.schedule.name}, {self.batch.microbatches} microbatches x "
-                  f"{self.batch.micro} per replica, global batch {self.batch.size}; logs in {self.run_dir}")
+                  f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.microbatches} "
+                  f"microbatches x {self.batch.micro} per replica, global batch {self.batch.size}; "
+                  f"logs in {self.run_dir}")
             hint = slow_bf16_hint(self.device, cfg.precision.mode)
             if hint:
                 print(hint)
@@ -259,8 +263,7 @@ class Trainer:
                 "final_loss": (state.losses or [nan])[-1], "val_loss": state.val_loss,
                 "losses": state.losses, "skipped_steps": self.engine.skipped_steps,
                 **self.reporter.figures(state.start),
-                "closed_form_bubble": theoretical_bubble(cfg.schedule.name, self.topo.pp, self.batch.microbatches,
-                                                         cfg.schedule.chunks),
+                "closed_form_bubble": schedule_bubble(self.engine.schedule), "schedule_run": self.engine.schedule.name,
                 "oversubscribed": oversubscribed(self.device)}
 
     def _write_summary(self) -> None:

@@ -87,6 +87,11 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["--seed", str(2**70)], "error: --seed must be a whole number from 0 to 2**63 - 1"),
     (["--schedule", "interleaved-1f1b", "--chunks", "1"], "error: --schedule interleaved-1f1b needs --chunks >= 2 "
                                                           "(got 1); use 1f1b for one stage per position"),
+    (["--schedule", "auto", "--partition", "uniform"], "error: --schedule auto chooses the schedule and the split "
+                                                       "together from measured layer costs: use --partition profile "
+                                                       "(the default), not 'uniform'"),
+    (["--schedule", "auto", "--chunks", "2"], "error: --schedule auto chooses the stages per position itself (got "
+                                              "--chunks 2); drop --chunks"),
     (["--global-batch", "16", "-b", "3"], "error: --global-batch 16 does not split into dp 1 x microbatches of "
                                           "--micro-batch-size 3"),
     (["--data", "/dev/zero"], "error: --data '/dev/zero' is not a regular file or folder (a device, pipe or socket)"),
@@ -212,3 +217,19 @@ def test_ranks_started_with_different_settings_or_data_are_told_which(tmp_path: 
         r"error: the ranks were given different data \(--data\): '3,584 training and 512 validation examples, first "
         r"and last crc32 [0-9a-f]{8}' on rank 0 but '3,584 training and 512 validation examples, first and last "
         r"crc32 [0-9a-f]{8}' on rank 1; every rank must be started with the same settings\n", err0), err0
+
+
+def _train(rank: int, world: int, flags: list[str]) -> dict[str, Any]:
+    return run(parse_args(flags))
+
+
+@pytest.mark.timeout(150)
+def test_schedule_auto_trains_the_same_losses_as_1f1b_with_the_schedule_it_chose(tmp_path: Path, world2: Any) -> None:
+    """auto measures, picks a schedule and a split (printed with the lower bound), and computes what 1f1b computes."""
+    common = ["--model", "gpt", "--preset", "tiny", "--steps", "3", "--pp", "2", "--log-dir", str(tmp_path), "--quiet",
+              "--eval-interval", "0", "--timeline-interval", "0"]
+    auto = world2.run(_train, [*common, "--schedule", "auto"])[0]
+    plain = world2.run(_train, [*common, "--schedule", "1f1b", "--partition", "uniform"])[0]
+    assert auto["losses"] == plain["losses"]
+    assert auto["schedule_run"] in ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "interleaved-zb", "zbv", "v-half",
+                                    "v-min", "auto") and auto["config"]["schedule"]["name"] == "auto"
