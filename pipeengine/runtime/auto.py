@@ -23,6 +23,7 @@ from .planner import Choice, LayerCost, PartitionError, choose_bounds
 
 __all__ = ["AutoChoice", "auto_schedule", "lower_bound", "LIBRARY"]
 
+SEARCH_BUDGET = 600   # splits scored per library schedule (the planner's own default is 2,000)
 # (name, chunks): the library auto compares against
 LIBRARY = (("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2),
            ("v-half", 2), ("v-min", 2))
@@ -108,7 +109,7 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
     for name, chunks in LIBRARY:
         try:
             sched = compile_schedule(name, pp, microbatches, chunks)
-            choice = choose_bounds(costs, sched, memory_cap, state_factor)
+            choice = choose_bounds(costs, sched, memory_cap, state_factor, budget=SEARCH_BUDGET)
         except (ValueError, PartitionError):   # does not apply (m, layers) or no split fits the cap
             candidates[name] = None
             continue

@@ -257,7 +257,7 @@ EXACT_LIMIT = 2000   # splits: up to this many, every one is considered (pruned 
 
 
 def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: float | None = None,
-                  state_factor: float = 4.0) -> Choice:
+                  state_factor: float = 4.0, budget: int = 2000) -> Choice:
     """Contiguous stage bounds minimising the simulated makespan of ``schedule`` with these layer costs.
 
     Every stage is simulated with its own costs (never a position's mean: one position's chunks of
@@ -265,7 +265,8 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: fl
     exact: splits are taken in order of a lower bound (the busiest position's work) and simulated
     until the bound passes the best makespan found. Beyond that: the exact min-max split of the layer
     costs (dynamic programming) and the equal-count split are improved by moving one boundary at a
-    time while the dependency-only makespan (:class:`Dataflow`) drops, and the best few are simulated.
+    time while the dependency-only makespan (:class:`Dataflow`) drops (then shaken and improved again until
+    ``budget`` splits were scored), and the best few are simulated.
     A position's memory is estimated as ``state_factor`` x its parameter bytes (parameter, gradient,
     two Adam moments) plus its schedule's peak of microbatches in flight x the activation bytes of a
     microbatch; with ``memory_cap`` (bytes) no split above it is chosen. Ties go to the split with the
@@ -277,7 +278,7 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: fl
     splits = _Splits(costs, schedule, state_factor)
     if math.comb(n - 1, stages - 1) <= EXACT_LIMIT:
         return _exhaustive(splits, memory_cap)
-    return _local_search(splits, memory_cap)
+    return _local_search(splits, memory_cap, budget=budget)
 
 
 def _every_split(n: int, stages: int) -> Iterator[list[int]]:

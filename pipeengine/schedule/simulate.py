@@ -301,6 +301,8 @@ class Dataflow:
         if any(pc[p] < len(prog) for p, prog in enumerate(acts)):
             witness_times(schedule)   # raises DeadlockError naming the cycle
             raise AssertionError("dependency order stuck without a cycle")
+        chunks = schedule.chunks
+        self._slots = [(p, (p * chunks + c) * 3 + k, dep, cross) for p, c, k, dep, cross in self.order]
 
     def durations(self, costs: Costs | Sequence[Costs]) -> list[list[tuple[float, float, float]]]:
         return [[(c.of(Kind.F, self.split), c.of(Kind.B, self.split), c.of(Kind.W, self.split)) for c in row]
@@ -312,15 +314,16 @@ class Dataflow:
                 for p in range(self.schedule.pp)]
 
     def makespan(self, table: list[list[tuple[float, float, float]]], comm: float = 0.0) -> float:
-        end: list[float] = []
+        flat = [d for row in table for cell in row for d in cell]   # slot (p * chunks + c) * 3 + kind
+        end = [0.0] * len(self.order)
         clock = [0.0] * self.schedule.pp
-        for p, c, k, dep, cross in self.order:
+        for i, (p, slot, dep, cross) in enumerate(self._slots):
             t = clock[p]
             if dep >= 0:
-                ready = end[dep] + comm * cross
+                ready = end[dep] + comm if cross else end[dep]
                 if ready > t:
                     t = ready
-            t += table[p][c][k]
-            end.append(t)
+            t += flat[slot]
+            end[i] = t
             clock[p] = t
         return max(clock, default=0.0)

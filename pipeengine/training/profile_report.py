@@ -8,10 +8,13 @@ import sys
 import torch
 
 from ..runtime.layers import build_layers
+from ..runtime.auto import auto_schedule
 from ..runtime.planner import PartitionError, choose_bounds
 from ..runtime.profile import profile_layers
 from ..runtime.stage import LayerError
 from ..schedule import SCHEDULES, Costs, compile_schedule, simulate
+from ..schedule.builders import default_chunks
+from ..schedule.simulate import in_flight_peaks
 from .data import batches
 from .models import load_model
 
@@ -49,8 +52,8 @@ def profile_report(model: str, preset: str | None, pp: int, microbatches: int, m
           f"{'GiB per position (est.)':>24}")
     cap = memory_cap_gib * 2**30 if memory_cap_gib else None
     for name in [n for n in SCHEDULES if n != "forward"]:
-        chunks = 2 if name == "interleaved-1f1b" else 1
-        label = name + (" (chunks 2)" if chunks > 1 else "")
+        chunks = default_chunks(name)
+        label = name + (f" (chunks {chunks})" if chunks > 1 else "")
         try:
             sched = compile_schedule(name, pp, microbatches, chunks)
             choice = choose_bounds(costs, sched, cap)
@@ -62,4 +65,15 @@ def profile_report(model: str, preset: str | None, pp: int, microbatches: int, m
         print(f"{label:<28} {str(choice.bounds):<28} {1e3 * result.makespan:8.1f} {result.mean_bubble:7.3f} "
               f"{' '.join(map(str, result.peak_in_flight)):>15} "
               f"{' '.join(f'{m / 2**30:.2f}' for m in choice.memory):>24}")
+    try:
+        auto = auto_schedule(costs, pp, microbatches, cap)
+    except (ValueError, PartitionError) as exc:
+        print(f"{'auto':<28} {str(exc).splitlines()[0]}")
+        return 0
+    peaks = " ".join(map(str, in_flight_peaks(auto.schedule)))
+    print(f"{'auto: ' + auto.schedule.name:<28} {str(auto.bounds):<28} {1e3 * auto.makespan:8.1f} "
+          f"{simulate(auto.schedule, [Costs(*c) for c in auto.stage_costs]).mean_bubble:7.3f} {peaks:>15} "
+          f"{' '.join(f'{m / 2**30:.2f}' for m in auto.memory):>24}")
+    print(f"\nauto: lower bound {1e3 * auto.bound:.1f} ms (the busiest position's work or one microbatch's critical "
+          f"path), gap {auto.gap:.3f}x")
     return 0
