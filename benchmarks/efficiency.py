@@ -40,12 +40,16 @@ from benchmarks.sleep_stages import sleep_layers
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.topology import Topology
 from pipeengine.schedule import Costs, simulate
+from pipeengine.schedule.builders import default_chunks
 
-CHUNKS = {"interleaved-1f1b": 2}
+# ours -> torch.distributed.pipelining's schedule for the same work (zb-h1: torch's interleaved ZB on one stage)
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+         "zb-h1": "ScheduleInterleavedZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
+         "zbv": "ScheduleZBVZeroBubble"}
 
 
 def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
-    v = CHUNKS.get(name, 1)
+    v = default_chunks(name)
     layers = sleep_layers(pp * v, *(x / v for x in t))
     engine = PipelineEngine(layers, mean_loss, lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(pp, 1),
                             schedule=name, microbatches=m, chunks=v, partition=list(range(pp * v + 1)),
@@ -65,19 +69,19 @@ def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[i
 
 
 def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
-    v = CHUNKS.get(name, 1)
+    import torch.distributed.pipelining as pipelining
+    v = default_chunks(name)
     rank = dist.get_rank()
     n = pp * v
     mods = sleep_layers(v, *(x / v for x in t))
-    stages = [PipelineStage(mods[c], rank + c * pp, n, torch.device("cpu"), input_args=(torch.randn(*act),))
+    index = [rank, 2 * pp - 1 - rank] if name == "zbv" else [rank + c * pp for c in range(v)]   # V or loop
+    stages = [pipelining.PipelineStage(mods[c], index[c], n, torch.device("cpu"), input_args=(torch.randn(*act),))
               for c in range(v)]
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-           "zb-h1": ScheduleInterleavedZeroBubble}[name]
-    sched = cls(stages if name in ("interleaved-1f1b", "zb-h1") else stages[0], n_microbatches=m, loss_fn=mean_loss)
+    cls = getattr(pipelining, TORCH[name])
+    multi = name in ("interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv")   # these take a list of stages
+    sched = cls(stages if multi else stages[0], n_microbatches=m, loss_fn=mean_loss)
     full = torch.randn(act[0] * m, act[1])
-    first, last = rank == 0, rank == (n - 1) % pp
+    first, last = rank == 0, rank == (0 if name == "zbv" else (n - 1) % pp)
 
     def step() -> None:
         kw: dict[str, Any] = {}
@@ -94,7 +98,7 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
 
 def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int], steps: int,
                warmup: int, engines: list[str]) -> dict[str, Any] | None:
-    v = CHUNKS.get(name, 1)
+    v = default_chunks(name)
     runners: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     for e in engines:
@@ -121,7 +125,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     ideal = simulate(sched, costs).makespan if sched is not None else float("nan")
     row: dict[str, Any] = {"schedule": name, "pp": pp, "microbatches": m, "chunks": v, "tf": t[0], "tb": t[1],
                            "tw": t[2], "act": list(act), "steps": steps, "ideal_s": ideal, "errors": errors}
-    actions_per_rank = m * v * (3 if name == "zb-h1" else 2)
+    actions_per_rank = m * v * (3 if sched is not None and sched.split_backward else 2)
     for e, ts in times.items():
         med = statistics.median(ts)
         row[f"{e}_median_s"] = med
@@ -228,7 +232,9 @@ def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", nargs="+", default=["1f1b"],
-                   help="gpipe, 1f1b, interleaved-1f1b (2 chunks), zb-h1")
+                   help="gpipe, 1f1b, interleaved-1f1b (2 chunks), zb-h1, zb-h2, interleaved-zb, zbv, v-half, v-min "
+                        "(torch's counterpart where it has one: " + ", ".join(f"{k} = {v}" for k, v in TORCH.items())
+                        + ")")
     p.add_argument("--microbatches", nargs="+", type=int, default=[8])
     p.add_argument("--tf", type=float, default=0.010, help="forward seconds per stage (default 0.010)")
     p.add_argument("--tb", type=float, default=0.010, help="input-grad seconds per stage (default 0.010)")

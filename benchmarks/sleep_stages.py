@@ -52,6 +52,8 @@ def sleep_until(deadline: float) -> None:
 
 
 class _SleepInput(torch.autograd.Function):
+    split_backward_safe = True   # its backward only passes the gradient on (see pipeengine/runtime/backward.py)
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, t_b: float) -> torch.Tensor:
         ctx.t_b = t_b
@@ -64,6 +66,8 @@ class _SleepInput(torch.autograd.Function):
 
 
 class _SleepWeight(torch.autograd.Function):
+    split_backward_safe = True
+
     @staticmethod
     def forward(ctx: Any, w: torch.Tensor, t_w: float) -> torch.Tensor:
         ctx.t_w = t_w

@@ -26,7 +26,9 @@ A graph holding a custom ``autograd.Function`` is split at all only if nothing p
 and nothing can: its backward may change its incoming gradient in place (a gradient B kept for W
 would change under it: wrong dW) or compute dW in B and again in W. Such a microbatch runs its
 backward fused in B (:func:`custom_functions` finds them) and W does nothing: never wrong, and
-never slower than unsplit.
+never slower than unsplit. A Function whose author promises both (its backward leaves its incoming
+gradient alone and computes only the gradients asked of it) says so with a class attribute
+``split_backward_safe = True`` (``SPLIT_SAFE``), and is split like torch's own nodes.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["WeightGroup", "weight_groups", "custom_functions", "run_backward", "backward_keeping",
+SPLIT_SAFE = "split_backward_safe"   # a custom autograd.Function's promise, see the module docstring
+
+__all__ = ["SPLIT_SAFE", "WeightGroup", "weight_groups", "custom_functions", "run_backward", "backward_keeping",
            "backward_weights"]
 
 Tensors = tuple[torch.Tensor, ...]
@@ -107,7 +111,8 @@ def custom_functions(roots: Tensors) -> list[str]:
     seen = set(stack)
     while stack:
         node = stack.pop()
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and type(node).__name__ != "_ArrivalBackward":
+        if (isinstance(node, torch.autograd.function.BackwardCFunction) and type(node).__name__ != "_ArrivalBackward"
+                and not getattr(getattr(type(node), "_forward_cls", None), SPLIT_SAFE, False)):
             found.append(type(node).__name__)   # (the stage's own _Arrival node only hands gradients over)
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:

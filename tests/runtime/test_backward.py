@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeengine.models import gpt, mlp, resnet
+from pipeengine.runtime.backward import custom_functions
 from pipeengine.runtime.stage import LayerChain, Stage
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -192,6 +193,45 @@ def test_a_custom_function_computing_dw_runs_its_backward_once() -> None:
     split = _one_microbatch(copy.deepcopy(model), split=True)
     assert ScaleFn.calls == 1   # B and W once had it compute dX and dW twice
     assert all(torch.equal(a, b) for a, b in zip(fused[1], split[1]))
+
+
+class Half(torch.autograd.Function):
+    """y = x / 2, marked safe to split: its backward leaves its incoming gradient alone."""
+
+    split_backward_safe = True
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x / 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g / 2
+
+
+class HalfLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(Half.apply(x))
+
+
+def test_a_custom_function_marked_safe_is_split_and_gives_the_fused_gradients() -> None:
+    """Unmarked, the Function makes B fused (W finds no gradient left to compute); marked, W computes dW."""
+    torch.manual_seed(3)
+    model = [HalfLayer(), HalfLayer()]
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert custom_functions([HalfLayer().double()(x.requires_grad_())]) == []
+    fused_in, fused_w, _ = _one_microbatch(copy.deepcopy(model), split=False)
+    torch.manual_seed(0)
+    ch = _stage([m.double() for m in copy.deepcopy(model)], 1)
+    ch.forward(0, torch.randn(4, 6, dtype=torch.float64), None, True)
+    (gin,) = ch.backward(0, (torch.randn(4, 6, dtype=torch.float64),), True)
+    assert all(p.grad is None for p in ch.params)   # B left every dW to W
+    ch.backward_weight(0)
+    assert torch.equal(gin, fused_in) and all(torch.equal(p.grad, w) for p, w in zip(ch.params, fused_w))
 
 
 def test_w_is_one_autograd_call_so_a_self_recomputing_layer_recomputes_once() -> None:
