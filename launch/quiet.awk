@@ -4,11 +4,13 @@
 # signal) and exit with the highest such status; the same when torchrun itself was stopped by a
 # signal (Ctrl-C: its workers stop on their own and say so), or when a rank wrote a failure report for pipe.sh to
 # show (-v reports=<folder of shown-by-rank*.txt>). Otherwise print it and exit 0.
-/^\[default[0-9]+\]:/ { print; fflush(); next }   # a worker's own output always passes
-/will restart worker group/ {   # the group failed and restarts: what is held was that attempt's; start over
+# the group failed and restarted: what is held was that attempt's; start over (torchrun says so only at
+# INFO level, so the restarted trainer's first line on stderr, "restart N: ...", says it too)
+/will restart worker group|^\[default[0-9]+\]:restart [0-9]+: / {
     for (i = 0; i < n; i++) print buf[i]
     print; fflush(); n = 0; held = 0; worst = 0; crash = 0; signalled = 0; next
 }
+/^\[default[0-9]+\]:/ { print; fflush(); next }   # a worker's own output always passes
 held == 0 && /closing signal|failed \(exitcode: / { held = 1 }
 held == 0 { print; fflush(); next }
 {

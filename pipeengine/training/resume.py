@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,9 +72,9 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
             path = found
     if path is None and resume not in (None, "latest"):
         path = resume
-    if attempt > 0:
+    if attempt > 0:   # on stderr: launch/quiet.awk starts over on it (what it held was the last attempt's)
         print(f"restart {attempt}: resuming from {path}" if path else
-              f"restart {attempt}: no checkpoint of this run yet: starting at step 0")
+              f"restart {attempt}: no checkpoint of this run yet: starting at step 0", file=sys.stderr, flush=True)
     elif path is None:
         print(f"no checkpoint in {cfg.saving.dir!r}: starting at step 0")
     if path is None:
