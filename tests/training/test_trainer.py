@@ -226,7 +226,7 @@ def _train(rank: int, world: int, flags: list[str]) -> dict[str, Any]:
 @pytest.mark.timeout(150)
 def test_schedule_auto_trains_the_same_losses_as_1f1b_with_the_schedule_it_chose(tmp_path: Path, world2: Any) -> None:
     """auto measures, picks a schedule and a split (printed with the lower bound), and computes what 1f1b computes."""
-    common = ["--model", "gpt", "--preset", "tiny", "--steps", "3", "--pp", "2", "--log-dir", str(tmp_path), "--quiet",
+    common = ["--model", "mlp", "--steps", "3", "--pp", "2", "--log-dir", str(tmp_path), "--quiet",
               "--eval-interval", "0", "--timeline-interval", "0"]
     auto = world2.run(_train, [*common, "--schedule", "auto"])[0]
     plain = world2.run(_train, [*common, "--schedule", "1f1b", "--partition", "uniform"])[0]
