@@ -184,7 +184,12 @@ def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) ->
         _wait_for_step_line(proc, "step 3/")
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate(timeout=30)
+            raise AssertionError(f"pipe.sh still running 60 s after SIGINT:\n{out[-3000:]}\n{err[-3000:]}") from None
         elapsed = time.monotonic() - t0
     finally:
         _kill_group(proc)
