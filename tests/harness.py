@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -221,11 +222,19 @@ def pipe_sh_job(tmp_path: Path, n: int, *flags: str, timeout: float = 240, env: 
 
 def start_pipe_sh_job(tmp_path: Path, n: int, *flags: str, env: dict[str, str] | None = None,
                       merge_stderr: bool = False) -> subprocess.Popen[str]:
-    """:func:`pipe_sh_job` started in its own session, to be signalled (``os.killpg(proc.pid, ...)``)."""
+    """:func:`pipe_sh_job` started in its own session, to be signalled (``os.killpg(proc.pid, ...)``).
+
+    SIGINT is reset to its default first: a test run started in the background of a non-interactive
+    shell inherits SIGINT ignored, and bash cannot trap a signal ignored at its start (pipe.sh would
+    never see the Ctrl-C the test sends)."""
     cmd, full_env = pipe_sh_command(tmp_path, n, flags, env)
     return subprocess.Popen(cmd, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def python_cli(*args: str, code: str | None = None, timeout: float = 120,
