@@ -11,10 +11,12 @@ variant, the order rotated by one each round (so no variant always follows the s
 barrier before and after each step; the figure is the median step over the timed rounds (one
 warm-up round left out), as examples (images, or tokens for GPT) per second. Variants:
 
-- ours with ``partition="profile"`` (1f1b and zb-h1), ``"parameters"`` and ``"uniform"`` (1f1b);
+- ours with ``partition="profile"`` (1f1b, zb-h1, zbv, and auto: the schedule chosen with the split),
+  ``"parameters"`` and ``"uniform"`` (1f1b);
   "uniform" is the equal-layer split a torch.distributed.pipelining user writes;
-- torch.distributed.pipelining with that equal split: ``Schedule1F1B`` and
-  ``ScheduleInterleavedZeroBubble`` (one stage per rank);
+- torch.distributed.pipelining with that equal split: ``Schedule1F1B``,
+  ``ScheduleInterleavedZeroBubble`` (one stage per rank) and ``ScheduleZBVZeroBubble`` (2 pp equal
+  stages in V placement);
 - with dp = 1 and pp = 2: the single-process model with gradient accumulation over the same
   microbatches (rank 0; rank 1 waits), and the machine bound: both halves of the profile split
   running at once without communication, giving ``single / (slow + fast / m)``, the throughput of a
@@ -84,19 +86,23 @@ def theirs(mod: Any, mcfg: Any, pp: int, m: int, data: list[Any], schedule: str)
     from torch.distributed import pipelining
     rank = dist.get_rank()
     factories = mod.layer_factories(mcfg)
-    bounds = split_bounds(factories, pp, "uniform")
-    module = nn.Sequential(*[build_layer(factories[i], i, 0) for i in range(bounds[rank], bounds[rank + 1])])
-    stage = pipelining.PipelineStage(module, rank, pp, torch.device("cpu"))
-    cls = {"1f1b": pipelining.Schedule1F1B, "zb": pipelining.ScheduleInterleavedZeroBubble}[schedule]
-    sched = cls([stage] if schedule == "zb" else stage, n_microbatches=m, loss_fn=mod.loss_fn)
-    opt = _opt(module.parameters())
+    v = 2 if schedule == "zbv" else 1   # ZBV: 2 pp equal stages, rank r runs stages r and 2 pp - 1 - r
+    bounds = split_bounds(factories, pp * v, "uniform")
+    mine = [rank, 2 * pp - 1 - rank] if v == 2 else [rank]
+    modules = [nn.Sequential(*[build_layer(factories[i], i, 0) for i in range(bounds[s], bounds[s + 1])])
+               for s in mine]
+    stages = [pipelining.PipelineStage(mo, s, pp * v, torch.device("cpu")) for mo, s in zip(modules, mine)]
+    cls = {"1f1b": pipelining.Schedule1F1B, "zb": pipelining.ScheduleInterleavedZeroBubble,
+           "zbv": pipelining.ScheduleZBVZeroBubble}[schedule]
+    sched = cls(stages if schedule != "1f1b" else stages[0], n_microbatches=m, loss_fn=mod.loss_fn)
+    opt = _opt([p for mo in modules for p in mo.parameters()])
     x = torch.cat([d[0] for d in data])
     y = torch.cat([d[1] for d in data])
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         kw: dict[str, Any] = {}
-        if rank == pp - 1:
+        if rank == (0 if v == 2 else pp - 1):   # the loss: the V ends on rank 0
             kw["target"] = y
             kw["losses"] = []
         if rank == 0:
@@ -156,7 +162,7 @@ def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
     variants: dict[str, Callable[[], Any]] = {}
     engines: dict[str, PipelineEngine] = {}
     t0 = time.perf_counter()
-    for schedule in ("1f1b", "zb-h1"):
+    for schedule in ("1f1b", "zb-h1", "zbv", "auto"):
         name = f"ours profile {schedule}"
         variants[name], engines[name] = ours(mod, mcfg, topo, m, data, schedule, "profile", bucket_mb=bucket_mb)
     profile_s = time.perf_counter() - t0
@@ -166,6 +172,7 @@ def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
     if topo.dp == 1:
         variants["torch 1F1B (uniform)"] = theirs(mod, mcfg, pp, m, data, "1f1b")
         variants["torch ZB (uniform)"] = theirs(mod, mcfg, pp, m, data, "zb")
+        variants["torch ZBV (uniform)"] = theirs(mod, mcfg, pp, m, data, "zbv")
     else:
         name = "ours uniform 1f1b, all-reduce after backward"   # the twin of "ours uniform 1f1b"
         variants[name], engines[name] = ours(mod, mcfg, topo, m, data, "1f1b", "uniform", overlap=False,

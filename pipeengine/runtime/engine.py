@@ -77,8 +77,9 @@ class PipelineEngine:
         optimizer: ``optimizer(params) -> torch.optim.Optimizer`` for this rank's parameters.
         topology: the PP x DP grid (default: all ranks in one pipeline).
         plan: a :class:`Plan` made with :func:`make_plan`; without one, the engine makes it from the
-            planning arguments ``schedule`` (a name: gpipe, 1f1b, interleaved-1f1b, zb-h1; or a compiled
-            :class:`Schedule`), ``microbatches`` (per step and replica), ``chunks`` (stages per position),
+            planning arguments ``schedule`` (a name from ``SCHEDULES``, "auto", or a compiled
+            :class:`Schedule`), ``microbatches`` (per step and replica), ``chunks`` (stages per position;
+            None: the schedule's own),
             ``partition`` ("profile", "parameters", "uniform" or explicit bounds), ``sample``,
             ``memory_cap`` and ``costs``: plan.py's :func:`make_plan` documents each.
         tied: groups of ``(layer index, parameter name)`` that are one logical parameter; the first
@@ -102,7 +103,7 @@ class PipelineEngine:
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                  topology: Topology | None = None, plan: Plan | None = None, schedule: str | Schedule = "1f1b",
-                 microbatches: int = 4, chunks: int = 1, partition: str | Sequence[int] = "parameters",
+                 microbatches: int = 4, chunks: int | None = None, partition: str | Sequence[int] = "parameters",
                  sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, costs: Costs | None = None,
                  tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,

@@ -68,7 +68,7 @@ class Plan:
 
 
 def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule = "1f1b", microbatches: int = 4,
-              chunks: int = 1, partition: str | Sequence[int] = "parameters", costs: Costs | None = None,
+              chunks: int | None = None, partition: str | Sequence[int] = "parameters", costs: Costs | None = None,
               sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, seed: int = 0,
               precision: str = "fp32", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
               device: torch.device | None = None, validate_schedule: bool = True,
@@ -80,7 +80,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         schedule: a name (see ``SCHEDULES``), "auto" (the schedule and the split chosen together from the
             measured costs, auto.py; needs ``partition="profile"``), or a compiled :class:`Schedule`
             (proven first unless ``validate_schedule`` is False: only to test faults).
-        microbatches: per step and replica; ``chunks``: stages per position (interleaved schedules).
+        microbatches: per step and replica; ``chunks``: stages per position (None: the schedule's own, 2 for
+            the interleaved and V ones).
         partition: "profile" (measure every layer's F, B and W on ``sample``, in parallel over the
             ranks, and take the bounds whose simulated step with this schedule is shortest),
             "parameters", "uniform", or explicit bounds ``[0, b1, ..., len(layers)]``.
@@ -128,7 +129,7 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, counts, chosen)
 
 
-def _compiled(schedule: str | Schedule, pp: int, microbatches: int, chunks: int, costs: Costs | None,
+def _compiled(schedule: str | Schedule, pp: int, microbatches: int, chunks: int | None, costs: Costs | None,
               validate_schedule: bool, partition: str | Sequence[int]) -> Schedule:
     """The schedule by name, or the one given (proven); for auto a stand-in until the costs are measured (zb-h1:
     backward split, so W is timed; 1f1b at pp 1)."""
