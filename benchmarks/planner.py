@@ -65,14 +65,19 @@ def profile_costs(name: str) -> list[LayerCost]:
     return PROFILES[name]()
 
 
-def makespan_of(costs: list[LayerCost], schedule: Schedule, bounds: list[int]) -> float:
-    """The simulated makespan of a split, every stage with its own costs."""
+def stage_costs(costs: list[LayerCost], schedule: Schedule, bounds: list[int]) -> list[Costs]:
+    """Each stage's (f, b, w): its layers' sums, as the schedule runs them (fused backward without W)."""
     split = schedule.split_backward
-    stage = []
+    out = []
     for a, z in zip(bounds, bounds[1:]):
         phases = [c.phases(split) for c in costs[a:z]]
-        stage.append(Costs(*(sum(x[k] for x in phases) for k in range(3))))
-    return simulate(schedule, stage).makespan
+        out.append(Costs(*(sum(x[k] for x in phases) for k in range(3))))
+    return out
+
+
+def makespan_of(costs: list[LayerCost], schedule: Schedule, bounds: list[int]) -> float:
+    """The simulated makespan of a split, every stage with its own costs."""
+    return simulate(schedule, stage_costs(costs, schedule, bounds)).makespan
 
 
 def _descend(current: list[int], score: Callable[[list[int]], float], reach: int) -> tuple[list[int], float]:
@@ -99,21 +104,12 @@ def best_known(costs: list[LayerCost], schedule: Schedule, seeds: list[list[int]
     dependency-only makespan with moves of 1..4, then descend on the simulator itself from the best 3."""
     n, stages = len(costs), schedule.num_stages
     timer = Dataflow(schedule)
-    split = schedule.split_backward
-
-    def stage_costs(bounds: list[int]) -> list[Costs]:
-        out = []
-        for a, z in zip(bounds, bounds[1:]):
-            phases = [c.phases(split) for c in costs[a:z]]
-            out.append(Costs(*(sum(x[k] for x in phases) for k in range(3))))
-        return out
-
     pool = [list(s) for s in seeds] + [[0, *sorted(rng.sample(range(1, n), stages - 1)), n] for _ in range(starts)]
-    found = sorted((_descend(p, lambda b: timer.makespan(timer.durations(stage_costs(b))), 4)[::-1]
+    found = sorted((_descend(p, lambda b: timer.makespan(timer.durations(stage_costs(costs, schedule, b))), 4)[::-1]
                     for p in pool))
     best = float("inf")
     for _, bounds in found[:3]:
-        best = min(best, _descend(bounds, lambda b: simulate(schedule, stage_costs(b)).makespan, 2)[1])
+        best = min(best, _descend(bounds, lambda b: makespan_of(costs, schedule, b), 2)[1])
     return best
 
 

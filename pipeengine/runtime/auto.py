@@ -19,7 +19,7 @@ from ..schedule import Costs, Schedule, compile_schedule, lower, simulate, valid
 from ..schedule.builders import synthesis_caps
 from ..schedule.simulate import in_flight_peaks
 from ..schedule.synth import synthesise
-from .planner import Choice, LayerCost, PartitionError, choose_bounds
+from .planner import Choice, LayerCost, PartitionError, choose_bounds, position_sizes
 
 __all__ = ["AutoChoice", "auto_schedule", "lower_bound", "LIBRARY"]
 
@@ -75,14 +75,8 @@ def lower_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Sch
 
 def _memory(bounds: Sequence[int], schedule: Schedule, costs: Sequence[LayerCost], state_factor: float) -> list[float]:
     """Per position: state_factor x its parameter bytes + its peak chunk activations x its largest stage's."""
-    peaks = in_flight_peaks(schedule)
-    out = []
-    for p in range(schedule.pp):
-        mine = [costs[bounds[s]:bounds[s + 1]] for s in range(schedule.num_stages) if schedule.placement(s)[0] == p]
-        params = sum(c.param_bytes for layers in mine for c in layers)
-        act = max(sum(c.activation_bytes for c in layers) for layers in mine)
-        out.append(state_factor * params + peaks[p] * act)
-    return out
+    return [state_factor * params + peak * act
+            for peak, (params, act) in zip(in_flight_peaks(schedule), position_sizes(costs, bounds, schedule))]
 
 
 def _caps_from_memory(choice: Choice, schedule: Schedule, costs: Sequence[LayerCost], memory_cap: float | None,
@@ -91,14 +85,8 @@ def _caps_from_memory(choice: Choice, schedule: Schedule, costs: Sequence[LayerC
     largest stage activation (no cap: ``default``)."""
     if memory_cap is None:
         return default
-    caps = []
-    for p in range(schedule.pp):
-        mine = [s for s in range(schedule.num_stages) if schedule.placement(s)[0] == p]
-        params = sum(c.param_bytes for s in mine for c in costs[choice.bounds[s]:choice.bounds[s + 1]])
-        act = max(sum(c.activation_bytes for c in costs[choice.bounds[s]:choice.bounds[s + 1]]) for s in mine)
-        room = memory_cap - state_factor * params
-        caps.append(max(0, int(room // act)) if act > 0 else 10**9)
-    return caps
+    return [max(0, int((memory_cap - state_factor * params) // act)) if act > 0 else 10**9
+            for params, act in position_sizes(costs, choice.bounds, schedule)]
 
 
 def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory_cap: float | None = None,

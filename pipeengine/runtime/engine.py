@@ -140,13 +140,15 @@ class PipelineEngine:
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
         self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
+        self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
+        self._split = self.schedule.split_backward   # (a scan of every program: asked once, not per B)
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
         self._last_backward = backward[-1] if backward else -1
         # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
         self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
-                                        self.schedule.split_backward)
+                                        self._split)
                         if self.grad_sync.overlap and self.topology.dp > 1 else {})
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self.loss_scale = LossScale(precision == "fp16")
@@ -344,8 +346,8 @@ class PipelineEngine:
 
     def _receive(self, state: _StepState, kind: Kind, a: Action, stage: int, producer: int) -> Any:
         """An input of ``a``: from stage ``producer`` on this rank (pp = 1, a V's turn) or from the wire (timed)."""
-        position, chunk = self.schedule.placement(producer)
-        if position == self.position:
+        chunk = self._chunk_of.get(producer)
+        if chunk is not None:
             return state.local.pop((Kind.F if kind is Kind.RECV_F else Kind.B, a.microbatch, chunk))
         start = self.clock.mark()
         value = self.wire.take(kind, a.microbatch, a.chunk)
@@ -354,7 +356,7 @@ class PipelineEngine:
 
     def _pass_on(self, state: _StepState, kind: Kind, a: Action, value: Any, consumer: int) -> None:
         """Hand what ``a`` made to stage ``consumer``: kept on this rank when it runs there, else to the wire."""
-        if self.schedule.placement(consumer)[0] == self.position:
+        if consumer in self._chunk_of:
             state.local[(kind, a.microbatch, a.chunk)] = value
         else:
             self.wire.put(kind, a.microbatch, a.chunk, value)
@@ -378,7 +380,7 @@ class PipelineEngine:
             grads = (None if stage.is_last
                      else self._receive(state, Kind.RECV_B, a, stage.index, stage.index + 1))
             start = self.clock.mark()
-            input_grads = stage.backward(mb, grads, self.schedule.split_backward)
+            input_grads = stage.backward(mb, grads, self._split)
             if not stage.is_first:
                 self._pass_on(state, Kind.B, a, input_grads, stage.index - 1)
         elif a.kind is Kind.W:

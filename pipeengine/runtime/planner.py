@@ -18,7 +18,7 @@ from ..schedule import Costs, Schedule, simulate
 from ..schedule.simulate import Dataflow
 
 __all__ = ["PartitionError", "METHODS", "balance_min_max", "even_bounds", "partition", "describe", "LayerCost",
-           "Choice", "choose_bounds", "EXACT_LIMIT"]
+           "Choice", "choose_bounds", "EXACT_LIMIT", "position_sizes"]
 
 METHODS = ("profile", "parameters", "uniform", "cost")
 
@@ -177,6 +177,20 @@ class Choice:
         return "\n".join(lines)
 
 
+def position_sizes(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule) -> list[tuple[float, float]]:
+    """Per position of ``schedule``: (its parameter bytes, the activation bytes of its largest stage) for a split.
+
+    The memory estimate everywhere is state_factor x the first + peak chunk activations in flight x the second."""
+    params = [0.0] * schedule.pp
+    act = [0.0] * schedule.pp
+    for s in range(schedule.num_stages):
+        p = schedule.placement(s)[0]
+        layers = costs[bounds[s]:bounds[s + 1]]
+        params[p] += sum(c.param_bytes for c in layers)
+        act[p] = max(act[p], float(sum(c.activation_bytes for c in layers)))
+    return list(zip(params, act))
+
+
 class _Splits:
     """Contiguous splits of measured layers into a schedule's stages: their stage costs, memory and scores."""
 
@@ -189,10 +203,6 @@ class _Splits:
         for f, b, w in phases:
             for k, x in enumerate((f, b, w, f + b + w)):
                 self.prefix[k].append(self.prefix[k][-1] + x)
-        self.params = [0.0]
-        for c in costs:
-            self.params.append(self.params[-1] + c.param_bytes)
-        self.placement = [schedule.placement(s)[0] for s in range(self.stages)]
         self.stage_at = [[schedule.stage(p, c) for c in range(schedule.chunks)] for p in range(schedule.pp)]
         self.peaks = simulate(schedule, Costs()).peak_in_flight
         self.timer = Dataflow(schedule)
@@ -200,13 +210,8 @@ class _Splits:
 
     def memory(self, bounds: Sequence[int]) -> list[float]:
         """Estimated peak bytes per position: state_factor x parameters + peak in flight x activations."""
-        mem = [0.0] * self.schedule.pp
-        act = [0.0] * self.schedule.pp
-        for s in range(self.stages):
-            p = self.placement[s]
-            mem[p] += self.state_factor * (self.params[bounds[s + 1]] - self.params[bounds[s]])
-            act[p] = max(act[p], float(sum(c.activation_bytes for c in self.costs[bounds[s]:bounds[s + 1]])))
-        return [m + self.peaks[p] * act[p] for p, m in enumerate(mem)]
+        return [self.state_factor * params + self.peaks[p] * act
+                for p, (params, act) in enumerate(position_sizes(self.costs, bounds, self.schedule))]
 
     def over(self, bounds: Sequence[int], cap: float | None) -> float:
         """Bytes the fullest position needs beyond the cap (0: it fits)."""

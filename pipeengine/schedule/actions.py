@@ -144,14 +144,6 @@ class Schedule:
             return 2 * self.pp - 1 - stage, 1
         return stage % self.pp, stage // self.pp
 
-    def like(self, programs: list[list[Step]], **changes: object) -> "Schedule":
-        """This schedule's sizes and placement with other programs (and any field changed)."""
-        fields = dict(name=self.name, pp=self.pp, microbatches=self.microbatches, chunks=self.chunks,
-                      programs=programs, lowered=self.lowered, forward_only=self.forward_only,
-                      placement_kind=self.placement_kind)
-        fields.update(changes)
-        return Schedule(**fields)  # type: ignore[arg-type]
-
     def compute_actions(self, position: int) -> list[Action]:
         return [a for step in self.programs[position] for a in step if a.kind.is_compute]
 

@@ -29,6 +29,7 @@ On link (0, 1) both positions post F0, F1, B0, B1 in that order.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from math import lcm
 from typing import Sequence
@@ -126,7 +127,7 @@ def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> S
                 events[p].append((key, send))
                 events[q].append((key, recv))
     programs = [_batched([a for _, a in sorted(evs, key=lambda e: e[0])]) for evs in events]
-    return schedule.like(_add_headers(schedule, programs), lowered=True)
+    return replace(schedule, programs=_add_headers(schedule, programs), lowered=True)
 
 
 def _batched(actions: list[Action]) -> list[Step]:

@@ -279,7 +279,8 @@ class Dataflow:
         self.split = schedule.split_backward
         acts = [schedule.compute_actions(p) for p in range(schedule.pp)]
         ids: dict[tuple[int, Action], int] = {}
-        self.order: list[tuple[int, int, int, int, int]] = []   # (position, chunk, kind, needed id | -1, cross)
+        # per action in dependency order: (position, cost slot (p * chunks + c) * 3 + kind, needed id | -1, cross)
+        self._slots: list[tuple[int, int, int, int]] = []
         self.count = [[[0, 0, 0] for _ in range(schedule.chunks)] for _ in range(schedule.pp)]
         pc = [0] * schedule.pp
         progress = True
@@ -292,8 +293,8 @@ class Dataflow:
                     if dep is not None and dep not in ids:
                         break
                     k = self._KINDS.index(a.kind)
-                    self.order.append((p, a.chunk, k, ids[dep] if dep is not None else -1,
-                                       int(dep is not None and dep[0] != p)))
+                    self._slots.append((p, (p * schedule.chunks + a.chunk) * 3 + k, ids[dep] if dep is not None else -1,
+                                        int(dep is not None and dep[0] != p)))
                     self.count[p][a.chunk][k] += 1
                     ids[(p, a)] = len(ids)
                     pc[p] += 1
@@ -301,8 +302,6 @@ class Dataflow:
         if any(pc[p] < len(prog) for p, prog in enumerate(acts)):
             witness_times(schedule)   # raises DeadlockError naming the cycle
             raise AssertionError("dependency order stuck without a cycle")
-        chunks = schedule.chunks
-        self._slots = [(p, (p * chunks + c) * 3 + k, dep, cross) for p, c, k, dep, cross in self.order]
 
     def durations(self, costs: Costs | Sequence[Costs]) -> list[list[tuple[float, float, float]]]:
         return [[(c.of(Kind.F, self.split), c.of(Kind.B, self.split), c.of(Kind.W, self.split)) for c in row]
@@ -315,7 +314,7 @@ class Dataflow:
 
     def makespan(self, table: list[list[tuple[float, float, float]]], comm: float = 0.0) -> float:
         flat = [d for row in table for cell in row for d in cell]   # slot (p * chunks + c) * 3 + kind
-        end = [0.0] * len(self.order)
+        end = [0.0] * len(self._slots)
         clock = [0.0] * self.schedule.pp
         for i, (p, slot, dep, cross) in enumerate(self._slots):
             t = clock[p]
