@@ -42,6 +42,8 @@ class Consensus:
         self.last_rank = topology.rank(last_position, replica)   # where the loss is computed
         self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
         self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
+        # parameters -> their squared gradient norms (ZeRO-1 sums them over the replicas' shards: zero.py)
+        self.squares: Callable[[Sequence[torch.Tensor | None]], torch.Tensor] = lambda ps: _squares(ps, device)
 
     def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None) -> StepSignals:
         """Gradient norm, loss, non-finite flags and stop requests of the whole pipeline: one all-reduce over it
@@ -53,9 +55,9 @@ class Consensus:
             stage_sq = torch.zeros((), dtype=torch.float64, device=self.device)
             for index, layer in zip(plan.layers_of(st.index), st.module.layers):
                 params = list(layer.parameters())
-                squares = _squares([p if id(p) not in norm_skip else None for p in params], self.device)
+                squares = self.squares([p if id(p) not in norm_skip else None for p in params])
                 vec.set_grad_sq(plan.param_slot(index), squares)
-                stage_sq += _squares(params, self.device).sum()   # tied copies too: any non-finite gradient
+                stage_sq += self.squares(params).sum()   # tied copies too: any non-finite gradient
             vec.add_stage(st.index, st.nonfinite, (~torch.isfinite(stage_sq)).double())
         if stages[-1].is_last:
             vec.set_loss(torch.stack(stages[-1].losses).double().sum())

@@ -11,7 +11,6 @@ The end of a step is consensus.py's ([Note: the end of a step]).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Action, Costs, Kind, Schedule, Step
-from .clock import ActionClock, ActionRecord, Phase
+from .clock import ActionClock, Phase
 from .faults import adaptive_timeout, watch
 from .consensus import Consensus
 from .device import default_device
@@ -30,39 +29,14 @@ from .microbatches import read_microbatches
 from .numerics import LossScale, NonFiniteError, nonfinite_message, stop_signal
 from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
 from .plan import Plan, make_plan
+from .results import StepResult, StepState
 from .stage import LayerChain, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
 from .wire import Wire
+from .zero import ShardedOptimizer, check_elementwise, group_key
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
-
-
-@dataclass
-class StepResult:
-    """What one train/eval step produced on this rank (loss and grad norm are global)."""
-
-    loss: float
-    grad_norm: float | None = None
-    step_time: float = 0.0
-    records: list[ActionRecord] = field(default_factory=list)
-    peak_stored: dict[int, int] = field(default_factory=dict)   # stage -> peak microbatches held
-    outputs: list[Any] | None = None                            # eval on the last stage, if asked
-    skipped: bool = False                                       # no optimizer step (non-finite, see below)
-    nonfinite: bool = False                                     # the loss or gradients were non-finite
-    grad_sync_wait: float = 0.0                                 # seconds waiting for the DP all-reduce
-    stop: int | None = None                                     # a signal some rank got: every rank stops here
-
-
-@dataclass
-class _StepState:
-    """One train or eval step in progress on this rank."""
-
-    train: bool
-    keep_outputs: bool
-    inputs: list[Any]
-    targets: list[Any]
-    local: dict[tuple[Kind, int, int], Any] = field(default_factory=dict)  # pp = 1: stage output -> next stage
 
 
 class PipelineEngine:
@@ -98,6 +72,8 @@ class PipelineEngine:
         overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its
             gradients (grad_sync.py); False posts them all after the rank's last backward. Default
             None: on CUDA only (see [Note: gradient all-reduce inside backward] for why not on CPU).
+        shard_optimizer: ZeRO-1, the optimizer state sharded over each stage's data-parallel group
+            (zero.py; a no-op at dp 1); the optimizer must update elements on their own (SGD, Adam, AdamW...).
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -108,7 +84,8 @@ class PipelineEngine:
                  tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, seed: int = 0, recompute: str = "none", precision: str = "fp32",
-                 wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None) -> None:
+                 wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
+                 shard_optimizer: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -131,12 +108,13 @@ class PipelineEngine:
             agree={"pp x dp": (self.topology.pp, self.topology.dp), "schedule": getattr(schedule, "name", schedule),
                    "microbatches": microbatches, "chunks": chunks, "partition": partition, "precision": precision,
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
-                   "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied]})
+                   "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
+                   "shard_optimizer": shard_optimizer})
         self.schedule, self.microbatches = self.plan.schedule, self.plan.schedule.microbatches
         self.loss_fn = loss_fn
         self._build(layers, tied, seed, recompute)
         self.optimizer = checked_optimizer(optimizer(self.parameters))
-        self._setup_sync(bucket_mb, overlap_grad_sync)
+        self._setup_sync(bucket_mb, overlap_grad_sync, shard_optimizer and self.topology.dp > 1)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
         self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
@@ -181,13 +159,23 @@ class PipelineEngine:
         self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties
         self.groups = self.local.groups
 
-    def _setup_sync(self, bucket_mb: float, overlap: bool | None) -> None:
+    def _setup_sync(self, bucket_mb: float, overlap: bool | None, shard: bool) -> None:
         self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages,
                                    self.schedule.placement(self.plan.num_stages - 1)[0], self.device, self._wait,
                                    self.watch)
-        self.grad_sync = GradSync(self.parameters, self.groups.dp_group, self.topology.dp, self.watch,
-                                  self.consensus.dp_peers, bucket_mb,
-                                  self.device.type == "cuda" if overlap is None else overlap)
+        if shard:
+            check_elementwise(self.optimizer)
+        self.grad_sync: GradSync = GradSync(
+            self.parameters, self.groups.dp_group, self.topology.dp, self.watch, self.consensus.dp_peers, bucket_mb,
+            self.device.type == "cuda" if overlap is None else overlap, shard=self.replica if shard else None,
+            key=group_key(self.optimizer), whole=frozenset(id(p) for mine, _, _ in self.ties.copies for p in mine))
+        self.zero: ShardedOptimizer | None = None   # ZeRO-1 (zero.py)
+        self.stepped = self.parameters              # what the optimizer steps (shards under ZeRO-1)
+        if shard:
+            self.zero = ShardedOptimizer(self.grad_sync, self.optimizer, self.replica,
+                                         lambda w, what: self._wait(w, what, self.consensus.dp_peers))
+            self.optimizer, self.stepped = self.zero.optimizer, self.zero.params
+            self.consensus.squares = self.zero.squares
 
     def _global(self, position: int) -> int:
         return self.topology.rank(position, self.replica)
@@ -207,6 +195,12 @@ class PipelineEngine:
     def peak_stored(self) -> dict[int, int]:
         """Stage -> most microbatches whose activations were held at once in the last step."""
         return {st.index: st.peak_stored for st in self.stages}
+
+    def parameters_ready(self) -> None:
+        """Wait until the parameters hold the last step's update (ZeRO-1 gathers them in the background on
+        CUDA; the engine waits itself before it reads them)."""
+        if self.zero is not None:
+            self.zero.ready()
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group from the next step on."""
@@ -280,14 +274,19 @@ class PipelineEngine:
         self.grad_sync.finish()
         synced = self.clock.mark()
         self.ties.sum_grads(lambda work, peers: self._wait(work, "the tied-gradient sum", peers))
-        self.loss_scale.unscale(self.parameters)
+        self.loss_scale.unscale(self.stepped)
+        if self.zero is not None:
+            self.zero.reduce_squares()
         self._decide(result)
         if result.skipped:
             self.skipped_steps += result.nonfinite
             self.local.restore_buffers(buffers)
         else:
-            clip_grad_norm(self.parameters, self.grad_clip, result.grad_norm or 0.0)
-            self.optimizer.step()
+            clip_grad_norm(self.stepped, self.grad_clip, result.grad_norm or 0.0)
+            if self.zero is not None:   # on CUDA the all-gather overlaps until the next program needs it
+                self.zero.step(defer=self.device.type == "cuda")
+            else:
+                self.optimizer.step()
         if self.topology.dp > 1 and self.local.buffers:
             broadcast_buffers(self.local.buffers, self.topology.rank(self.position, 0), self.groups.dp_group,
                               lambda w: self._wait(w, "the buffer broadcast", self.consensus.dp_peers))
@@ -322,13 +321,14 @@ class PipelineEngine:
     def _run(self, program: list[Step], data_iter: Iterator[Any] | None, train: bool,
              keep_outputs: bool) -> StepResult:
         self.watch.context = f"position {self.position}, replica {self.replica}, step {self.step_count}"
+        self.parameters_ready()
         self.watch.doing = "reading the data"
         self.clock.start()
         for st in self.stages:
             st.reset()
         data = (read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank)
                 if self.needs_data else ([], []))
-        state = _StepState(train, keep_outputs, *data)
+        state = StepState(train, keep_outputs, *data)
         self.wire.begin_step()
         with cast_cache_scope(self.device, self.precision):   # one low-precision copy per weight and step
             for idx, step in enumerate(program):
@@ -344,7 +344,7 @@ class PipelineEngine:
             self.clock.add(self.stages[0].index, Phase.WAIT, -1, start, self.clock.mark())
         return StepResult(loss=0.0, peak_stored=self.peak_stored)
 
-    def _receive(self, state: _StepState, kind: Kind, a: Action, stage: int, producer: int) -> Any:
+    def _receive(self, state: StepState, kind: Kind, a: Action, stage: int, producer: int) -> Any:
         """An input of ``a``: from stage ``producer`` on this rank (pp = 1, a V's turn) or from the wire (timed)."""
         chunk = self._chunk_of.get(producer)
         if chunk is not None:
@@ -354,14 +354,14 @@ class PipelineEngine:
         self.clock.add(stage, Phase.WAIT, a.microbatch, start, self.clock.mark())
         return value
 
-    def _pass_on(self, state: _StepState, kind: Kind, a: Action, value: Any, consumer: int) -> None:
+    def _pass_on(self, state: StepState, kind: Kind, a: Action, value: Any, consumer: int) -> None:
         """Hand what ``a`` made to stage ``consumer``: kept on this rank when it runs there, else to the wire."""
         if consumer in self._chunk_of:
             state.local[(kind, a.microbatch, a.chunk)] = value
         else:
             self.wire.put(kind, a.microbatch, a.chunk, value)
 
-    def _execute(self, step: Step, state: _StepState) -> None:
+    def _execute(self, step: Step, state: StepState) -> None:
         """Interpret one step of the program (a compute action, or a comm step for the wire)."""
         a = step[0]
         stage = self.stages[a.chunk]

@@ -40,10 +40,19 @@ class GradSync:
     the same all-reduce: a parameter that got no gradient on any replica (a conditionally used
     expert, an unused head) gets ``grad = None`` after the sync, as ``zero_grad(set_to_none=True)``
     leaves it without DP, so the optimizer skips it (no weight decay, no moment update) at every dp.
+
+    ``shard`` (ZeRO-1, zero.py): this replica's index in the group. Every bucket is then padded to a
+    multiple of ``size`` and split into ``size`` equal shards; a bucket is reduce-scattered
+    (``reduce_scatter_single`` into this replica's shard of it, in place) instead of all-reduced, except
+    the buckets of ``whole`` parameters (tied copies, summed over their tie afterwards), which are
+    all-reduced. ``key`` separates buckets further (the optimizer's parameter groups). No flags: under
+    sharding a parameter without a gradient gets zeros (as Megatron's and DeepSpeed's sharded
+    optimizers give it).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, size: int, watcher: Watch,
-                 peers: Sequence[int] = (), bucket_mb: float = 25.0, overlap: bool = True) -> None:
+                 peers: Sequence[int] = (), bucket_mb: float = 25.0, overlap: bool = True, shard: int | None = None,
+                 whole: frozenset[int] = frozenset(), key: Callable[[nn.Parameter], int] = lambda p: 0) -> None:
         self.group = group
         self.size = size
         self.watch = watcher     # times the waits (faults.py)
@@ -59,14 +68,18 @@ class GradSync:
         self._left: list[int] = []                  # per bucket: parameters not final yet
         self._works: list[Any] = []                 # posted all-reduces, in bucket order
         self.posted_early = 0                       # last step: buckets posted from inside backward
+        self.shard = shard
+        self.whole: list[bool] = []                 # per bucket: all-reduced (not reduce-scattered) under sharding
+        self.sizes: list[int] = []                  # per bucket: elements per shard (sharding)
+        assert shard is None or size > 1, "sharding over one replica"
         if size == 1:
             return
         limit = int(bucket_mb * 2**20)
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_key: dict[tuple[torch.dtype, int, bool], list[nn.Parameter]] = {}
         for p in reversed(list(params)):
             if p.requires_grad:
-                by_dtype.setdefault(p.dtype, []).append(p)
-        for ps in by_dtype.values():
+                by_key.setdefault((p.dtype, key(p), id(p) in whole), []).append(p)
+        for (_, _, is_whole), ps in by_key.items():
             bucket: list[nn.Parameter] = []
             nbytes = 0
             for p in ps:
@@ -77,9 +90,12 @@ class GradSync:
                 nbytes += p.numel() * p.element_size()
             if bucket:
                 self.buckets.append(bucket)
+            self.whole += [is_whole] * (len(self.buckets) - len(self.whole))
         for k, bucket in enumerate(self.buckets):
             numel = sum(p.numel() for p in bucket)
-            flat = torch.zeros(numel + len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            self.sizes.append(-(-numel // size))
+            extra = len(bucket) if shard is None else self.sizes[-1] * size - numel   # flags, or padding
+            flat = torch.zeros(numel + extra, dtype=bucket[0].dtype, device=bucket[0].device)
             views, offset = [], 0
             for j, p in enumerate(bucket):
                 views.append(flat[offset:offset + p.numel()].view_as(p))
@@ -88,12 +104,17 @@ class GradSync:
                 self._flag[id(p)] = flat[numel + j:numel + j + 1]   # see [Note: a parameter without a gradient]
                 p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
             self.flats.append(flat)
-            self._flags.append(flat[numel:])
+            self._flags.append(flat[numel:] if shard is None else flat[:0])
             self._views.append(views)
+
+    def shard_of(self, k: int) -> torch.Tensor:
+        """This replica's shard of bucket ``k``'s gradients (sharding)."""
+        assert self.shard is not None
+        return self.flats[k][self.shard * self.sizes[k]:(self.shard + 1) * self.sizes[k]]
 
     def prepare(self) -> bool:
         """Zero the buckets and point every ``param.grad`` into them; False (do ``zero_grad``) without DP."""
-        if self.size == 1:
+        if not self.flats:
             return False
         for flat in self.flats:
             flat.zero_()
@@ -112,7 +133,8 @@ class GradSync:
             self._armed.update(id(p) for p in params)
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        self._flag[id(p)].fill_(1)
+        if self.shard is None:
+            self._flag[id(p)].fill_(1)
         if self.overlap and id(p) in self._armed:
             self._final(p)
 
@@ -130,7 +152,11 @@ class GradSync:
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
-        self._works.append(dist.all_reduce(self.flats[k], group=self.group, async_op=True))
+        if self.shard is None or self.whole[k]:
+            self._works.append(dist.all_reduce(self.flats[k], group=self.group, async_op=True))
+        else:   # in place: this replica's shard of the flat receives the sum of everyone's
+            self._works.append(dist.reduce_scatter_single(self.shard_of(k), self.flats[k], group=self.group,
+                                                          async_op=True))
 
     def start(self) -> None:
         """Post every bucket not posted yet (called after the rank's last backward of the step)."""
@@ -138,14 +164,16 @@ class GradSync:
             self._post()
 
     def finish(self) -> None:
-        if self.size == 1:
+        if not self.flats:
             return
         self.start()
-        for flat, work in zip(self.flats, self._works):
+        for k, (flat, work) in enumerate(zip(self.flats, self._works)):
             self.watch.wait(work, "the data-parallel gradient all-reduce", self.peers, cuda=flat.is_cuda)
-            flat /= self.size
+            (flat if self.shard is None or self.whole[k] else self.shard_of(k)).div_(self.size)
         self._works = []
         self._armed.clear()
+        if self.shard is not None:
+            return
         untouched = self.watch.host_values(torch.cat(self._flags) == 0, "the data-parallel gradient all-reduce",
                                            self.peers)   # one host read for every bucket
         for p, none in zip((p for bucket in self.buckets for p in bucket), untouched):

@@ -64,9 +64,12 @@ class EngineState:
 
     def state_dict(self) -> dict[str, Any]:
         e = self.engine
+        e.parameters_ready()
         sd: dict[str, Any] = dict(self.model_entries())
         keys = self.param_keys()
-        for p in e.parameters:
+        if e.zero is not None:   # this replica's parts, as DCP shards with global offsets (zero.py)
+            sd.update(e.zero.state_entries(keys))
+        for p in e.parameters if e.zero is None else ():
             for name, value in e.optimizer.state.get(p, {}).items():
                 sd[f"optim.{keys[id(p)]}.{name}"] = value
         sd["train.step"] = torch.tensor(e.step_count)
@@ -83,6 +86,7 @@ class EngineState:
         of a tie), the training counters and, with ``restore_rng``, its RNG state. Fill it, then
         :meth:`load_state_dict` it."""
         e = self.engine
+        e.parameters_ready()
         sd: dict[str, Any] = dict(self.model_entries())
         by_param: dict[str, dict[str, str]] = {}   # parameter key -> state name -> saved key
         for key in saved:
@@ -95,10 +99,13 @@ class EngineState:
         for p in e.parameters:
             found = next((by_param[k] for k in [keys[id(p)], *aliases.get(keys[id(p)], [])] if k in by_param), {})
             self._optim_keys[id(p)] = found
-            for name, key in found.items():
+            for name, key in found.items() if e.zero is None else ():
                 info = saved[key]
                 sd[key] = None if info is None else torch.empty(
                     info[0], dtype=info[1], device=state_device(e.optimizer, p, name))
+        if e.zero is not None:
+            sd.update(e.zero.template_entries(self._optim_keys, saved,
+                                              lambda p, name: state_device(e.optimizer, p, name)))
         sd["train.step"] = torch.tensor(0)
         sd["train.loss_scale"] = torch.tensor(1.0, dtype=torch.float64)
         if "train.good_steps" in saved:
@@ -112,7 +119,9 @@ class EngineState:
         """Take a filled :meth:`template` (model entries were loaded in place). ``fp16_scale``: the state
         was saved with fp16's loss scale, which then continues (else it starts afresh)."""
         e = self.engine
-        for p in e.parameters:
+        if e.zero is not None:
+            e.zero.load_entries(self._optim_keys, sd)
+        for p in e.parameters if e.zero is None else ():
             if self._optim_keys.get(id(p)):
                 e.optimizer.state[p] = {name: sd[key] for name, key in self._optim_keys[id(p)].items()}
         if e.loss_scale.enabled and fp16_scale:

@@ -289,8 +289,9 @@ def _check(sd: dict[str, Any], md: Any, path: str) -> str | None:
             return (f"checkpoint {path!r} has no {key} (the checkpoint is of another model: it has "
                     f"{sum(k.startswith('layers.') for k in md.state_dict_metadata)} model tensors)")
         size = tuple(getattr(meta, "size", ()))
-        if isinstance(t, torch.Tensor) and size != tuple(t.shape):
-            return f"checkpoint {path!r} has {key} of shape {size}, but the model's is {tuple(t.shape)}"
+        shape = tuple(getattr(t, "global_shape", getattr(t, "shape", ())))   # a ZeRO-1 part: its tensor's shape
+        if isinstance(t, torch.Tensor) and size != shape:
+            return f"checkpoint {path!r} has {key} of shape {size}, but the model's is {shape}"
     return None
 
 

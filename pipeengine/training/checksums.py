@@ -2,7 +2,8 @@
 
 Every rank sums the tensors of its state at save time (CRC-32 of dtype, shape and bytes); rank 0 gathers them
 into the manifest (``checksums``: key -> 8 hex digits). A load sums what it read, for every key it read in the
-saved dtype, and compares: the same logical tensors whatever pp x dp saved or loads them.
+saved dtype, and compares: the same logical tensors whatever pp x dp saved or loads them. A ZeRO-1 replica's
+part of an optimizer state tensor (DCP shards with global offsets, runtime/zero.py) has no sum of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ __all__ = ["checksums", "gathered_checksums", "changed_tensor"]
 
 def checksums(state: Mapping[str, Any]) -> dict[str, str]:
     """This rank's tensors' checksums, by state key."""
-    return {k: f"{crc32(v):08x}" for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return {k: f"{crc32(v):08x}" for k, v in state.items() if isinstance(v, torch.Tensor) and not _part(v)}
+
+
+def _part(t: torch.Tensor) -> bool:
+    return hasattr(t, "global_offsets")
 
 
 def gathered_checksums(local: dict[str, str]) -> dict[str, str]:
@@ -37,7 +42,7 @@ def changed_tensor(state: Mapping[str, Any], saved: Any, path: str) -> str | Non
         return None
     for key, value in state.items():
         want = saved.get(key)
-        if isinstance(value, torch.Tensor) and isinstance(want, str):
+        if isinstance(value, torch.Tensor) and isinstance(want, str) and not _part(value):
             got = f"{crc32(value):08x}"
             if got != want:
                 return (f"checkpoint {path!r} is damaged: {key} does not match its checksum (written {want}, read "

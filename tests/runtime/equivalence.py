@@ -193,11 +193,12 @@ def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int,
                             wire="tags" if wire == "tags" else "strict", **extra)
     engine.wire.coalesce = wire == "coalesced"   # the NCCL path (one batch_isend_irecv per step) on Gloo
     torch.manual_seed(1234 + engine.rank)
-    losses, peaks, programs_posted, logs = [], [], [], []
+    losses, peaks, programs_posted, logs, grad_norms = [], [], [], [], []
     for step in range(STEPS):
         engine.wire.log = []
         result = engine.train_batch(replica_iter(data, step, engine.replica, dp, m))
         losses.append(result.loss)
+        grad_norms.append(result.grad_norm)
         peaks.append(result.peak_stored)
         programs_posted.append(posted(engine.program, engine.wire.log))
         logs.append(engine.wire.log)
@@ -217,7 +218,10 @@ def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int,
     return {"losses": losses, "params": params, "buffers": buffers, "peaks": peaks, "replica": engine.replica,
             "stages": [st.index for st in engine.stages], "posted": programs_posted, "log": logs[0],
             "num_params": sum(p.numel() for p in engine.parameters),
-            "buckets": (engine.grad_sync.posted_early, len(engine.grad_sync.buckets))}
+            "buckets": (engine.grad_sync.posted_early, len(engine.grad_sync.buckets)),
+            "state_bytes": sum(t.numel() * t.element_size() for st in engine.optimizer.state.values()
+                               for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0),
+            "grad_norms": grad_norms}
 
 
 # ------------------------------------------------------------------ configurations
