@@ -54,7 +54,7 @@ def _manifest(engine: PipelineEngine, step: int, extra: dict[str, Any] | None) -
     return {"format": 1, "step": step, "pp": engine.topology.pp, "dp": engine.topology.dp,
             "world_size": engine.topology.world_size, "schedule": engine.schedule.name,
             "chunks": engine.schedule.chunks, "microbatches": engine.microbatches, "bounds": engine.bounds,
-            "num_layers": engine.num_layers, "precision": engine.precision,
+            "num_layers": engine.num_layers, "precision": engine.precision, "zero": int(engine.zero is not None),
             "schedule_costs": None if engine.plan.costs is None else
             [engine.plan.costs.f, engine.plan.costs.b, engine.plan.costs.w],
             "versions": {"pipeengine": ours, "torch": torch.__version__},

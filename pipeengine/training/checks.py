@@ -26,6 +26,13 @@ def at_least(low: int, what: str | None = None) -> Check:
     return check
 
 
+def zero(name: str, value: Any) -> Any:
+    if value not in (0, 1):
+        raise ValueError(f"{name} must be 0 (a whole optimizer state per replica) or 1 (sharded over the replicas: "
+                         f"ZeRO-1), got {value}; stages 2 and 3 (sharded gradients and parameters) are not built")
+    return value
+
+
 def finite(low: float = -math.inf, *, above: bool = False, what: str = "number") -> Check:
     """A finite number >= ``low`` (> ``low`` with ``above``)."""
     def check(name: str, value: Any) -> Any:

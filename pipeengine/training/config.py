@@ -82,6 +82,9 @@ class ParallelConfig:
                                 "semantics emulated: one tag per pair, each comm step completes before the next: "
                                 "what hangs on NCCL hangs here); NCCL always coalesces each step",
                         choices=WIRE_MODES)
+    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over each stage's data-parallel replicas (each "
+                           "rank holds 1/dp of it; gradients reduce-scattered, parameters all-gathered), 0 keeps a "
+                           "whole copy per replica", check=checks.zero, metavar="{0,1}")
 
 
 @dataclass

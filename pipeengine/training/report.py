@@ -83,7 +83,8 @@ def summary_text(s: dict[str, Any]) -> str:
         "=" * 72,
         f"model {cfg['model']['name']}/{cfg['model']['preset']}  schedule {name if ran == name else f'{name} ({ran})'}"
         f"  pp {s['pp']} x "
-        f"dp {s['dp']}  global batch {g} = dp {s['dp']} x {cfg['schedule']['microbatches']} microbatches x "
+        f"dp {s['dp']}{'  zero 1' if cfg['parallel'].get('zero') and s['dp'] > 1 else ''}  global batch {g} = "
+        f"dp {s['dp']} x {cfg['schedule']['microbatches']} microbatches x "
         f"{cfg['data']['micro_batch_size']}  steps {cfg['optimizer']['steps']}",
         f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",
         f"throughput {s['steps_per_s']:.2f} steps/s  {s['samples_per_s']:,.1f} samples/s{tok}  (wall time of the "

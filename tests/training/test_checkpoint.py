@@ -94,6 +94,37 @@ def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path
     torch.testing.assert_close(loss, r[1]["val_loss"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero_1_checkpoints_resume_bitwise_and_reshard_across_dp_and_pp(tmp_path: Path, world4: WorldPool) -> None:
+    """ZeRO-1 saves a replica's part of each optimizer tensor as DCP shards of the global tensor: a checkpoint
+    loads at any dp (4 -> 2 -> 1), sharded or not, and at another pp, continuing the saved run's losses."""
+    a, b, c = (str(tmp_path / n) for n in ("dp4", "plain", "dp2"))
+    a3, b3 = os.path.join(a, "step-00000003"), os.path.join(b, "step-00000003")
+    runs = [
+        ["--pp", "1", "--steps", "4", "--save-interval", "3", "--save-dir", a, "--zero", "1"],  # 0: dp4 sharded
+        ["--pp", "1", "--steps", "4", "--resume", a3, "--zero", "1"],                 # 1: the same layout: bitwise
+        ["--pp", "2", "--steps", "5", "--resume", a3, "--zero", "1",                  # 2: dp 4 -> 2, pp 1 -> 2,
+         "--save-interval", "4", "--save-dir", c],                                    #    saving sharded at dp 2
+        ["--pp", "4", "--steps", "4", "--resume", a3],                                # 3: dp 4 -> 1 (pp 4)
+        ["--pp", "2", "--steps", "4", "--resume", a3],                                # 4: sharded -> unsharded dp 2
+        ["--pp", "2", "--steps", "4", "--save-interval", "3", "--save-dir", b],       # 5: unsharded dp 2
+        ["--pp", "1", "--steps", "4", "--resume", b3, "--zero", "1"],                 # 6: -> sharded dp 4
+        ["--pp", "4", "--steps", "5", "--resume", os.path.join(c, "step-00000004")],  # 7: dp 2 sharded -> dp 1
+    ]
+    r = world4.run(train_runs, runs, str(tmp_path), timeout=280)[0]
+    assert r[1]["first_step"] == 3 and r[1]["losses"] == r[0]["losses"][3:], (r[0]["losses"], r[1]["losses"])
+    for k, (src, step) in {2: (0, 3), 3: (0, 3), 4: (0, 3), 6: (5, 3), 7: (2, 1)}.items():
+        torch.testing.assert_close(r[k]["losses"][0], r[src]["losses"][step], rtol=1e-5, atol=1e-6,
+                                   msg=lambda e: f"run {k}: {e}")
+    info = json.loads((Path(a3) / "manifest.json").read_text())
+    assert info["zero"] == 1 and info["dp"] == 4
+    from pipeengine.training.checkpoint import metadata
+    md = metadata(a3).state_dict_metadata   # one tensor of the parameter's shape, written in parts
+    wte = md["optim.layers.0.wte.weight.exp_avg"]
+    assert tuple(wte.size) == tuple(md["layers.0.wte.weight"].size) and len(wte.chunks) > 1
+
+
 # ------------------------------------------------------------------ crash safety and bad input (no torchrun)
 
 CRASH = r"""
