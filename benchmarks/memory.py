@@ -55,6 +55,7 @@ benchmarks/results/memory.jsonl (the previous file is kept as memory.jsonl.prev)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib
 import inspect
@@ -261,7 +262,7 @@ def worker_gpt(a: argparse.Namespace, device: torch.device, probe: Probe, import
     ``import_mib`` is the RSS right after the imports, kept in the JSON.
     """
     start_mib = probe.reset_peak()
-    rank, pp = dist.get_rank(), dist.get_world_size()
+    rank, pp = dist.get_rank(), dist.get_world_size() // a.dp
     cfg = gpt.Config(**json.loads(a.gpt_config))
     specs: list[Any]
     if a.variants[0] == "factories":
@@ -272,8 +273,8 @@ def worker_gpt(a: argparse.Namespace, device: torch.device, probe: Probe, import
         # (``layers = build_my_layers(); engine = PipelineEngine(layers, ...)``, then the training loop).
         specs = gpt.build(cfg, seed=0)
     engine = PipelineEngine(specs, gpt.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                            topology=Topology(pp, 1), schedule="1f1b", microbatches=a.m, partition="parameters",
-                            tied=gpt.tied_parameters(len(specs)), device=device)
+                            topology=Topology(pp, a.dp), schedule="1f1b", microbatches=a.m, partition="parameters",
+                            tied=gpt.tied_parameters(len(specs)), device=device, shard_optimizer=bool(a.zero))
     gc.collect()
     after_build, build_peak = probe.current(), probe.peak()
     g = torch.Generator().manual_seed(0)
@@ -283,10 +284,12 @@ def worker_gpt(a: argparse.Namespace, device: torch.device, probe: Probe, import
     times = timed_steps(lambda: engine.train_batch(iter(batch) if engine.needs_data else None), a.steps)
     peak = probe.peak()
     local = sum(p.numel() for p in engine.parameters)
+    state = sum(t.numel() * t.element_size() for st in engine.optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
     _write(a.out_dir, a.variants[0], {"rank": rank, "import_mib": import_mib, "start_mib": start_mib,
                                       "after_build_mib": after_build, "build_peak_mib": build_peak,
                                       "peak_mib": peak, "growth_mib": peak - start_mib, "local_params": local,
-                                      "step_s": times})
+                                      "optimizer_state_mib": state / MIB, "step_s": times})
 
 
 def worker(a: argparse.Namespace, import_mib: float) -> None:
@@ -453,6 +456,45 @@ def gpt_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+ZERO_LAYOUTS = ((2, 2), (1, 4))   # pp x dp, 4 ranks
+
+
+def zero_section(a: argparse.Namespace) -> None:
+    """ZeRO-1 rows: GPT small (models/gpt.py "small" preset), AdamW, 1f1b, m 4, with and without sharding; each
+    configuration launched ``--rounds`` times, alternating, so both see the same machine."""
+    t0 = time.time()
+    cfg = dataclasses.asdict(gpt.presets()["small"]())
+    steps = a.steps or 6
+    runs: dict[tuple[int, int, int], list[list[dict[str, Any]]]] = {}
+    for _ in range(a.rounds):
+        for pp, dp in ZERO_LAYOUTS:
+            for zero in (0, 1):
+                res = run_config(4, ["factories"], ["--model", "gpt", "-m", "4", "--steps", str(steps), "--timeout",
+                                                    str(a.timeout), "--gpt-config", json.dumps(cfg), "--gpt-batch",
+                                                    "4", "--dp", str(dp), "--zero", str(zero)], a.timeout)
+                if not isinstance(res["factories"], list):
+                    raise SystemExit(f"pp {pp} x dp {dp} zero {zero}: {res['factories']}")
+                runs.setdefault((pp, dp, zero), []).append(res["factories"])
+    lines = _head("pp x dp", "zero", "rank", "optimizer state MiB", "peak growth MiB", "step (s), median per round",
+                  "step time / unsharded")
+    for (pp, dp, zero), rounds in runs.items():
+        base = [statistics.median(x["step_s"]) for recs in runs[(pp, dp, 0)] for x in recs if x["rank"] == 0]
+        for x in sorted(rounds[-1], key=lambda x: x["rank"]):
+            mine = [statistics.median(y["step_s"]) for recs in rounds for y in recs if y["rank"] == x["rank"]]
+            ratio = statistics.median(mine) / statistics.median(base) if x["rank"] == 0 else None
+            lines.append(f"| {pp} x {dp} | {zero} | {x['rank']} | {x['optimizer_state_mib']:.1f} | "
+                         f"{x['growth_mib']:.0f} | {', '.join(f'{t:.3f}' for t in mine)} | "
+                         f"{'' if ratio is None else f'{ratio:.3f}'} |")
+    n = gpt_full_params(gpt.Config(**cfg))
+    print(f"Command: `python -m benchmarks.memory {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}, "
+          f"{time.time() - t0:.0f} s). GPT small ({n / 1e6:.2f} M parameters; AdamW state of the whole model "
+          f"{n * 8 / MIB:.1f} MiB), m 4 x 4 sequences of {cfg['block_size']} per replica, 1f1b, {steps} measured "
+          f"steps per launch after 1 warm-up; step-time ratio on rank 0, median over rounds.\n")
+    print("\n".join(lines))
+    append_jsonl(a.out, [{"section": "zero", "pp": pp, "dp": dp, "zero": z, "rounds": r}
+                         for (pp, dp, z), r in runs.items()])
+
+
 def engine_options() -> tuple[bool, bool]:
     """Does PipelineEngine take recompute= and precision= (the extra rows need them)?"""
     params = inspect.signature(PipelineEngine.__init__).parameters
@@ -493,11 +535,20 @@ def main() -> None:
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--gpt-config", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--gpt-batch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--only-zero", action="store_true",
+                   help="only the ZeRO-1 rows: GPT small, AdamW, pp 2 x dp 2 and pp 1 x dp 4, with and without "
+                        "sharding, alternated over --rounds rounds (about 2 minutes per round on the 2-core VM)")
+    p.add_argument("--rounds", type=int, default=2, help="ZeRO-1 rows: launches per configuration, alternated")
     a = p.parse_args()
     if a.worker:
         worker(a, Probe(torch.device("cpu")).current())   # RSS right after importing torch and this script
         return
 
+    if a.only_zero:
+        zero_section(a)
+        return
     if a.quick:
         a.pp, a.microbatches, a.act_mib = [2], [4, 16], 4
     a.steps = a.steps or (1 if a.quick else 2)
