@@ -11,8 +11,14 @@
 #            otherwise pp = N (e.g. 8 gpus -> pp=4 x dp=2, 4 cpus -> pp=2 x dp=2)
 #   the rest goes to `python -m pipeengine.train` (see `python -m pipeengine.train --help`)
 #
-# Environment (multi-node through torchrun's static rendezvous; defaults = one node):
+# Environment (defaults = one node):
 #   NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
+#                     several nodes: torchrun's c10d rendezvous, hosted by node 0 (NODE_RANK=0) at
+#                     MASTER_ADDR:MASTER_PORT; every node runs this script with the same NNODES and RDZV_ID.
+#                     NNODES=MIN:MAX is elastic: a node gone for good (or one that joins) restarts the group
+#                     at the new size, which the trainer re-plans (pp x dp, same global batch) from the newest
+#                     checkpoint in --save-dir (a folder every node shares). Restarts need --max-restarts.
+#   RDZV_ID=$SLURM_JOB_ID or "none"   names the rendezvous (the same on every node of one job)
 #   LOG_RANK=0        which local rank's output to show (torchrun --local-ranks-filter); "all" for every rank
 #   RANK_LOGS=<log dir>/.ranks/<time>-<pid>   every rank's stdout/stderr files (torchrun --log-dir), linked from
 #                     the run folder as ranks/
@@ -60,12 +66,19 @@ if [[ "$DEVICE" == cuda ]]; then   # count the GPUs before starting anything: nv
 fi
 
 NNODES=${NNODES:-1}
+if ! [[ "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]]; then
+    echo "pipe.sh: NNODES must be a number of nodes or a range MIN:MAX (got '$NNODES')" >&2; exit 2
+fi
+MIN_NODES=${NNODES%%:*}; MAX_NODES=${NNODES##*:}
+if (( MIN_NODES > MAX_NODES )); then
+    echo "pipe.sh: NNODES=$NNODES: MIN is larger than MAX" >&2; exit 2
+fi
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 LOG_RANK=${LOG_RANK:-0}
 PYTHON=${PYTHON:-python}
-WORLD=$((NPROC * NNODES))
+WORLD=$((NPROC * MAX_NODES))
 
 # --max-restarts is torchrun's; --pp from the trainer flags, or the default split
 MAX_RESTARTS=${MAX_RESTARTS:-0}
@@ -92,9 +105,15 @@ if [[ -z "$PP" ]]; then
     ARGS+=(--pp "$PP")
 fi
 if ! [[ "$PP" =~ ^[1-9][0-9]*$ ]] || (( WORLD % PP != 0 )); then
-    echo "pipe.sh: --pp $PP does not divide the world size $WORLD (= $NPROC x $NNODES nodes)" >&2; exit 2
+    echo "pipe.sh: --pp $PP does not divide the world size $WORLD (= $NPROC x $MAX_NODES nodes)" >&2; exit 2
 fi
-echo "pipe.sh: $WORLD ranks = pp $PP x dp $((WORLD / PP)) on $NNODES node(s), $BACKEND on $DEVICE"
+if (( MIN_NODES < MAX_NODES )); then
+    export PIPEENGINE_ELASTIC=1   # the trainer re-plans pp x dp when the group restarts at another size
+    echo "pipe.sh: $WORLD ranks = pp $PP x dp $((WORLD / PP)) on $MAX_NODES nodes (elastic: down to $MIN_NODES," \
+         "re-planned at each size), $BACKEND on $DEVICE"
+else
+    echo "pipe.sh: $WORLD ranks = pp $PP x dp $((WORLD / PP)) on $NNODES node(s), $BACKEND on $DEVICE"
+fi
 
 if [[ "$DEVICE" == cpu ]]; then
     CORES=$(nproc 2>/dev/null || echo 1)
@@ -117,7 +136,7 @@ if [[ "$LOG_RANK" != all ]]; then
         FILTER=(--log-dir "$RANK_LOGS" --redirects 3 --tee 2 --local-ranks-filter "$LOG_RANK")
     fi
 fi
-if (( NNODES > 1 )); then
+if (( MAX_NODES > 1 )); then
     if (( NODE_RANK == 0 )) && (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; then
         echo "pipe.sh: port $MASTER_PORT on $MASTER_ADDR is already in use; set MASTER_PORT to a free port" \
              "(the same on every node)" >&2; exit 2
@@ -135,8 +154,14 @@ if (( NNODES > 1 )); then
             sleep 1; WAITED=$((WAITED + 1))
         done
     fi
-    RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
-          --rdzv-conf "timeout=${RDZV_TIMEOUT:-120}")
+    # c10d rendezvous: --max-restarts restarts the group on every node, and NNODES=MIN:MAX lets it shrink.
+    # Node 0 hosts it (is_host), so two "nodes" on one machine work too. Each round gets a store of its own
+    # (not the agent's shared one): a node's restart count is its own, the trainer's store keys cannot be.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    IS_HOST=$(( NODE_RANK == 0 ? 1 : 0 ))
+    RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+          --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-none}}"
+          --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-120},is_host=$IS_HOST,last_call_timeout=${LAST_CALL:-5}")
 else
     RDZV=(--standalone)
 fi

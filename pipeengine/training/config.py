@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
@@ -273,6 +275,16 @@ class Config:
 
     def _topology(self, world_size: int) -> Topology:
         pp, dp = self.parallel.pp, self.parallel.dp
+        elastic = os.environ.get("PIPEENGINE_ELASTIC") == "1"
+        if elastic and pp is not None and world_size % pp:
+            # an elastic group (launch/pipe.sh NNODES=MIN:MAX) restarted at a size --pp does not divide: the
+            # deepest pipeline that fits, the rest data-parallel (the global batch stays: resume.py)
+            given, pp = pp, max(d for d in range(1, min(pp, world_size) + 1) if world_size % d == 0)
+            print(f"elastic: {world_size} processes: pp {pp} x dp {world_size // pp} (--pp {given} does not divide "
+                  f"{world_size})", file=sys.stderr)
+            self.parallel.pp, self.parallel.dp, dp = pp, None, None
+        elif elastic and dp is not None and pp is not None and pp * dp != world_size:
+            self.parallel.dp = dp = None   # elastic: dp follows the world
         if pp is not None and world_size % pp:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(f"world size {world_size} is not divisible by --pp {pp}; use --pp in {divisors} or "

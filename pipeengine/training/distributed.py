@@ -39,14 +39,17 @@ def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
         return device, False
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
-        # torchrun keeps one store across restarts of the group: keys of a crashed attempt (the Gloo
-        # addresses of its groups) would be read by the next one, so each attempt gets its own prefix
+        # One node: torchrun keeps one store across restarts of the group (its agent's), and keys of a
+        # crashed attempt (the Gloo addresses of its groups) would be read by the next one, so each attempt
+        # gets its own prefix. Across nodes the restart count is per node (a node whose workers did not
+        # fail keeps 0), so launch/pipe.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 there: every
+        # rendezvous round gets a fresh store of its own on a fresh MASTER_PORT, and needs no prefix.
         from torch.distributed.distributed_c10d import PrefixStore
         from torch.distributed.rendezvous import rendezvous
         startup = timedelta(seconds=cfg.faults.timeout or STARTUP_TIMEOUT)
         store, rank, world = next(rendezvous("env://", timeout=startup))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = PrefixStore(f"pipeengine/attempt{attempt}/", store)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = PrefixStore(f"pipeengine/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     else:
         store, rank, world = dist.HashStore(), 0, 1   # type: ignore[attr-defined]
     if backend == "nccl":

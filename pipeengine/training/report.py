@@ -12,7 +12,7 @@ import torch
 
 from .resources import memory_text
 
-__all__ = ["progress_line", "summary_text", "write_json", "oversubscribed", "mean"]
+__all__ = ["progress_line", "summary_text", "write_json", "oversubscribed", "mean", "world_change_text"]
 
 
 def progress_line(step: int, total: int, loss: float, val: float, rates: Mapping[str, float | None], memory: str,
@@ -61,6 +61,13 @@ def _compute_text(s: dict[str, Any]) -> str:
     return text + "  MFU n/a: no known peak (--peak-tflops)"
 
 
+def world_change_text(c: dict[str, Any]) -> str:
+    """What a group restarted at another size became (resume.py's world change)."""
+    return (f"{c['from']} -> {c['to']} processes at step {c['step']}: re-planned as pp {c['pp']} x dp {c['dp']}, "
+            f"{c['microbatches']} microbatches per replica (the same global batch), from the step {c['step']} "
+            f"checkpoint")
+
+
 def summary_text(s: dict[str, Any]) -> str:
     """The block printed at the end of a run (``s``: the Trainer's summary)."""
     cfg = s["config"]
@@ -97,6 +104,7 @@ def summary_text(s: dict[str, Any]) -> str:
         f"memory     peak per position  {memory}",
         f"bubble     {bub}",
         f"step time  {parts}",
+        *([f"world      {world_change_text(s['world_change'])}"] if s.get("world_change") else []),
         "=" * 72,
     ])
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..runtime.agree import decided_by_rank0
+from ..runtime.agree import decided_by_rank0, gathered
 from ..runtime.topology import Topology
 from ..schedule import Costs
 from .checkpoint import MANIFEST, TMP, CheckpointError, latest, load, manifest, resolve
@@ -44,7 +44,9 @@ def pick_checkpoint(cfg: Config, topo: Topology, num_layers: int) -> ResumePoint
     runs share "none", and then the newest checkpoint is taken), else from what ``--resume`` named:
     otherwise it would start over and overwrite its own checkpoints.
     """
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    # torchrun counts restarts per node: a node whose own workers did not fail restarts with the others (c10d
+    # rendezvous) but keeps its count at 0, so the group's attempt is the largest count of any rank
+    attempt = max(gathered(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), None))
     if cfg.saving.resume is None and attempt == 0:
         return None
 
@@ -140,10 +142,11 @@ def _note_changes(cfg: Config, info: dict[str, Any]) -> None:
               f"the run continues, but not as the saved one would have")
 
 
-def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> int:
-    """Load the chosen checkpoint on every rank; the step to start at."""
+def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tuple[int, dict[str, Any] | None]:
+    """Load the chosen checkpoint on every rank; the step to start at, and the world change if the checkpoint was
+    written by another number of processes (``{"step", "from", "to", "pp", "dp", "microbatches"}``)."""
     if point is None:
-        return 0
+        return 0, None
     t0 = time.perf_counter()
     info = load(engine, point.path)
     if engine.rank == 0:
@@ -154,4 +157,9 @@ def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> in
     if info["step"] >= cfg.optimizer.steps:
         raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.optimizer.steps}; "
                          f"ask for more steps to continue training")
-    return int(info["step"])
+    saved_world = info.get("world_size")
+    world = engine.topology.world_size
+    change = None if saved_world in (None, world) else {
+        "step": int(info["step"]), "from": saved_world, "to": world, "pp": engine.topology.pp,
+        "dp": engine.topology.dp, "microbatches": engine.microbatches}
+    return int(info["step"]), change

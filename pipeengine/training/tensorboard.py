@@ -98,6 +98,13 @@ class MetricsWriter:
             self._writer.add_text(tag, text, 0)
             self._writer.flush()
 
+    def log_world_change(self, change: Mapping[str, Any]) -> None:
+        """A group restarted at another number of processes (resume.py): ``world/size`` from its first step on,
+        and what it became, as text under ``world``."""
+        from .report import world_change_text
+        self.log_scalars(change["step"], {"world/size": change["to"]})
+        self.log_text("world", world_change_text(dict(change)))
+
     def log_eval(self, step: int, val_loss: float) -> None:
         """Validation loss under ``val/loss``."""
         self.log_scalars(step, {"val/loss": val_loss})

@@ -106,7 +106,8 @@ class Trainer:
             cfg.set_batch(point.batch)
         self.batch = cfg.batch
         self.engine = self._engine(point)
-        self.state = RunState(start=resume(cfg, self.engine, point))
+        start, self.world_change = resume(cfg, self.engine, point)   # a group restarted at another size
+        self.state = RunState(start=start)
         self.warm = max(1, min(5, cfg.optimizer.steps // 20))   # steps left out of the timing figures
         self.timeline_steps = {min(self.state.start + self.warm, cfg.optimizer.steps - 1), cfg.optimizer.steps - 1}
         self._loader: Any = None   # the data loader's iterator and the step it gives next (_train_data)
@@ -136,6 +137,8 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0)
         self.writer.log_text("config", "".join(f"    {line}\n" for line in to_toml(cfg).splitlines()))
+        if self.world_change is not None:   # a group restarted at another size
+            self.writer.log_world_change(self.world_change)
         flops = None
         if self.rank == 0:   # counted on the meta device: no memory, no compute
             flops = flops_per_example(self.model.layers, self.model.data.example("train", 0)[0])
@@ -264,7 +267,7 @@ class Trainer:
                 "losses": state.losses, "skipped_steps": self.engine.skipped_steps,
                 **self.reporter.figures(state.start),
                 "closed_form_bubble": schedule_bubble(self.engine.schedule), "schedule_run": self.engine.schedule.name,
-                "oversubscribed": oversubscribed(self.device)}
+                "oversubscribed": oversubscribed(self.device), "world_change": self.world_change}
 
     def _write_summary(self) -> None:
         if self.rank == 0:
