@@ -102,10 +102,10 @@ def test_zero_1_checkpoints_resume_bitwise_and_reshard_across_dp_and_pp(tmp_path
     a, b, c = (str(tmp_path / n) for n in ("dp4", "plain", "dp2"))
     a3, b3 = os.path.join(a, "step-00000003"), os.path.join(b, "step-00000003")
     runs = [
-        ["--pp", "1", "--steps", "4", "--save-interval", "3", "--save-dir", a, "--zero", "1"],  # 0: dp4 sharded
+        ["--pp", "1", "--steps", "4", "--save-interval", "3", "--save-dir", a, "--zero", "1"],  # 0: dp 4, sharded
         ["--pp", "1", "--steps", "4", "--resume", a3, "--zero", "1"],                 # 1: the same layout: bitwise
         ["--pp", "2", "--steps", "5", "--resume", a3, "--zero", "1",                  # 2: dp 4 -> 2, pp 1 -> 2,
-         "--save-interval", "4", "--save-dir", c],                                    #    saving sharded at dp 2
+         "--save-interval", "4", "--save-dir", c],                                    # (saving sharded at dp 2)
         ["--pp", "4", "--steps", "4", "--resume", a3],                                # 3: dp 4 -> 1 (pp 4)
         ["--pp", "2", "--steps", "4", "--resume", a3],                                # 4: sharded -> unsharded dp 2
         ["--pp", "2", "--steps", "4", "--save-interval", "3", "--save-dir", b],       # 5: unsharded dp 2
@@ -320,8 +320,10 @@ def json_summary(tmp: Path, name: str) -> dict[str, Any]:
     return json.loads((tmp / name / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
-def _worker_pid(launcher: int, rank: int) -> int:
-    """The pid of the trainer process with RANK=rank below the launcher (pipe.sh -> torchrun -> workers)."""
+def _worker_pid(launcher: int, rank: int | str) -> int:
+    """The pid of the trainer process with RANK=rank (or the environment entry ``rank``, e.g. "LOCAL_RANK=1") below
+    the launcher (pipe.sh -> torchrun -> workers)."""
+    entry = (rank if isinstance(rank, str) else f"RANK={rank}").encode()
     for _ in range(100):
         parents: dict[int, int] = {}
         environs: dict[int, list[bytes]] = {}
@@ -334,7 +336,7 @@ def _worker_pid(launcher: int, rank: int) -> int:
             except (OSError, ValueError, IndexError):
                 continue
         for pid, ppid in parents.items():
-            if launcher in (ppid, parents.get(ppid)) and f"RANK={rank}".encode() in environs[pid]:
+            if launcher in (ppid, parents.get(ppid)) and entry in environs[pid]:
                 return pid
         time.sleep(0.1)
     raise AssertionError(f"no worker with RANK={rank} under launcher {launcher}")

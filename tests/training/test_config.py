@@ -141,3 +141,18 @@ def test_config_file_then_flags_and_unknown_settings(tmp_path: Path, capsys: pyt
         with pytest.raises(SystemExit) as exc:
             parse_args(["--config", str(path)])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_elastic_group_re_plans_pp_and_dp_for_its_size(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """launch/pipe.sh NNODES=MIN:MAX: a group restarted at a size --pp does not divide runs the deepest pipeline
+    that does, the rest data-parallel; --dp follows the world; outside an elastic group it is an error."""
+    with pytest.raises(ValueError, match="world size 2 is not divisible by --pp 4"):
+        parse_args(["--pp", "4"]).resolve(2)
+    monkeypatch.setenv("PIPEENGINE_ELASTIC", "1")
+    cases = ((2, ["--pp", "4"], (2, 1)), (6, ["--pp", "4"], (3, 2)), (3, ["--pp", "2", "--global-batch", "24"], (1, 3)),
+             (4, ["--pp", "2", "--dp", "4"], (2, 2)), (8, ["--pp", "4"], (4, 2)))
+    for world, flags, want in cases:
+        topo = parse_args(flags).resolve(world)
+        assert (topo.pp, topo.dp) == want, (world, flags, topo)
+    assert "elastic: 2 processes: pp 2 x dp 1 (--pp 4 does not divide 2)" in capsys.readouterr().err
