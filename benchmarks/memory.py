@@ -481,7 +481,8 @@ def zero_section(a: argparse.Namespace) -> None:
         base = [statistics.median(x["step_s"]) for recs in runs[(pp, dp, 0)] for x in recs if x["rank"] == 0]
         for x in sorted(rounds[-1], key=lambda x: x["rank"]):
             mine = [statistics.median(y["step_s"]) for recs in rounds for y in recs if y["rank"] == x["rank"]]
-            ratio = statistics.median(mine) / statistics.median(base) if x["rank"] == 0 else None
+            # each round's ratio against the unsharded launch just before it, then the median over rounds
+            ratio = statistics.median(a / b for a, b in zip(mine, base)) if x["rank"] == 0 else None
             lines.append(f"| {pp} x {dp} | {zero} | {x['rank']} | {x['optimizer_state_mib']:.1f} | "
                          f"{x['growth_mib']:.0f} | {', '.join(f'{t:.3f}' for t in mine)} | "
                          f"{'' if ratio is None else f'{ratio:.3f}'} |")
@@ -489,7 +490,8 @@ def zero_section(a: argparse.Namespace) -> None:
     print(f"Command: `python -m benchmarks.memory {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}, "
           f"{time.time() - t0:.0f} s). GPT small ({n / 1e6:.2f} M parameters; AdamW state of the whole model "
           f"{n * 8 / MIB:.1f} MiB), m 4 x 4 sequences of {cfg['block_size']} per replica, 1f1b, {steps} measured "
-          f"steps per launch after 1 warm-up; step-time ratio on rank 0, median over rounds.\n")
+          f"steps per launch after 1 warm-up; step-time ratio on rank 0: each round's against the unsharded launch "
+          f"before it, median over rounds.\n")
     print("\n".join(lines))
     append_jsonl(a.out, [{"section": "zero", "pp": pp, "dp": dp, "zero": z, "rounds": r}
                          for (pp, dp, z), r in runs.items()])

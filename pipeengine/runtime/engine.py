@@ -170,12 +170,14 @@ class PipelineEngine:
             self.device.type == "cuda" if overlap is None else overlap, shard=self.replica if shard else None,
             key=group_key(self.optimizer), whole=frozenset(id(p) for mine, _, _ in self.ties.copies for p in mine))
         self.zero: ShardedOptimizer | None = None   # ZeRO-1 (zero.py)
+        self.gather_in_background = self.device.type == "cuda"   # ZeRO-1: see [Note: sharded optimizer state]
         self.stepped = self.parameters              # what the optimizer steps (shards under ZeRO-1)
         if shard:
             self.zero = ShardedOptimizer(self.grad_sync, self.optimizer, self.replica,
                                          lambda w, what: self._wait(w, what, self.consensus.dp_peers))
             self.optimizer, self.stepped = self.zero.optimizer, self.zero.params
             self.consensus.squares = self.zero.squares
+            self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
 
     def _global(self, position: int) -> int:
         return self.topology.rank(position, self.replica)
@@ -283,8 +285,8 @@ class PipelineEngine:
             self.local.restore_buffers(buffers)
         else:
             clip_grad_norm(self.stepped, self.grad_clip, result.grad_norm or 0.0)
-            if self.zero is not None:   # on CUDA the all-gather overlaps until the next program needs it
-                self.zero.step(defer=self.device.type == "cuda")
+            if self.zero is not None:   # on CUDA the all-gather overlaps until a stage's next F needs it
+                self.zero.step(defer=self.gather_in_background)
             else:
                 self.optimizer.step()
         if self.topology.dp > 1 and self.local.buffers:
@@ -321,7 +323,6 @@ class PipelineEngine:
     def _run(self, program: list[Step], data_iter: Iterator[Any] | None, train: bool,
              keep_outputs: bool) -> StepResult:
         self.watch.context = f"position {self.position}, replica {self.replica}, step {self.step_count}"
-        self.parameters_ready()
         self.watch.doing = "reading the data"
         self.clock.start()
         for st in self.stages:
@@ -368,6 +369,8 @@ class PipelineEngine:
         mb = a.microbatch
         self.watch.doing = step   # formatted only if reported (faults.doing_text)
         if a.kind is Kind.F:
+            if self.zero is not None:   # this stage's parameters, gathered after the last step ([Note: sharded ...])
+                self.zero.ready(self._buckets_of[a.chunk])
             if stage.is_first:
                 x = state.inputs[mb]
             else:

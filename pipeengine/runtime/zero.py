@@ -14,8 +14,10 @@ Replica r owns shard r of every bucket. A step then goes:
                  the group (one small all-reduce); then the end-of-step all-reduce as ever
     step         the optimizer steps one flat shard parameter per bucket (a view of the parameter
                  buffer: no copy), holding state for 1/dp of the stage's elements
-    all-gather   every bucket's shards, gathered in place (``all_gather_single``); on CPU waited for
-                 at once, on CUDA before the next step's program (or a state read) needs them
+    all-gather   every bucket's shards, gathered in place (``all_gather_single``), the first layers'
+                 buckets first; on CPU waited for at once, on CUDA by each stage just before its first
+                 F of the next step (or before a state read): it overlaps the data loading, and the
+                 earlier stages' forwards with the later stages' gathers
 
 It is exact for optimizers that update every element on its own (SGD, Adam, AdamW, Adamax,
 Adagrad, RMSprop, NAdam, RAdam): a flat shard steps bitwise as the parameters it covers, and with
@@ -38,7 +40,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -141,7 +143,7 @@ class ShardedOptimizer:
         self.flats: list[torch.Tensor] = []          # per bucket: the parameters, padded like the gradients
         self.params: list[nn.Parameter] = []         # per bucket: this replica's shard of it (what is stepped)
         self.segments: list[list[Segment]] = []      # per bucket: the parameters' parts in that shard
-        self._gathers: list[Any] = []
+        self._gathers: dict[int, Any] = {}           # bucket -> its parameters' all-gather, not waited for yet
         groups = group_key(optimizer)
         per_group: dict[int, list[nn.Parameter]] = {}
         for k, bucket in enumerate(sync.buckets):
@@ -197,19 +199,29 @@ class ShardedOptimizer:
         return self._squares[torch.tensor(at, device=self._squares.device)]
 
     def step(self, defer: bool) -> None:
-        """Step the shards, then gather every bucket's parameters (``defer``: wait in :meth:`ready`)."""
+        """Step the shards, then gather every bucket's parameters, the first layers' first (``defer``: wait in
+        :meth:`ready`, bucket by bucket as the stages need them)."""
+        self.ready()   # (every stage ran its F, so nothing is left: a guard)
         self.optimizer.step()
-        lo = [self.replica * s for s in self.sync.sizes]
-        self._gathers = [dist.all_gather_single(flat, flat[a:a + s], group=self.sync.group, async_op=True)
-                         for flat, a, s in zip(self.flats, lo, self.sync.sizes)]
+        for k in reversed(range(len(self.flats))):   # buckets hold the last layers first: the first F's come first
+            a, size = self.replica * self.sync.sizes[k], self.sync.sizes[k]
+            self._gathers[k] = dist.all_gather_single(self.flats[k], self.flats[k][a:a + size], group=self.sync.group,
+                                                      async_op=True)
         if not defer:
             self.ready()
 
-    def ready(self) -> None:
-        """Wait for the parameters' all-gather of the last step (a no-op if it completed)."""
-        gathers, self._gathers = self._gathers, []
-        for work in gathers:
-            self.wait(work, "the parameter all-gather")
+    def ready(self, buckets: Iterable[int] | None = None) -> None:
+        """Wait for the last step's all-gather of ``buckets`` (default: all); a no-op for those already waited for.
+        On CUDA a wait only orders the current stream after the gather: the host goes on."""
+        for k in list(self._gathers) if buckets is None else buckets:
+            work = self._gathers.pop(k, None)
+            if work is not None:
+                self.wait(work, "the parameter all-gather")
+
+    def buckets_of(self, params: Iterable[nn.Parameter]) -> set[int]:
+        """The buckets holding ``params``."""
+        ids = {id(p) for p in params}
+        return {k for k, bucket in enumerate(self.sync.buckets) if any(id(p) in ids for p in bucket)}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this replica holds."""

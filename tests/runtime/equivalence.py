@@ -186,12 +186,15 @@ def run_config(model: str, opt: str, schedule: str, pp: int, dp: int, m: int,
     from pipeengine.runtime.topology import Topology
     extra = dict(extra or {})
     wire = extra.pop("wire", "strict")
+    background = extra.pop("gather_in_background", None)   # ZeRO-1's all-gather waited per stage, as on CUDA
     torch.set_default_dtype(torch.float32 if extra.get("precision") == "bf16" else torch.float64)
     layers, data, tied, _ = MODELS[model]
     engine = PipelineEngine(layers(), nn.functional.mse_loss, OPTIMIZERS[opt], topology=Topology(pp=pp, dp=dp),
                             schedule=schedule, microbatches=m, timeout=60, tied=tied,
                             wire="tags" if wire == "tags" else "strict", **extra)
     engine.wire.coalesce = wire == "coalesced"   # the NCCL path (one batch_isend_irecv per step) on Gloo
+    if background is not None:
+        engine.gather_in_background = background
     torch.manual_seed(1234 + engine.rank)
     losses, peaks, programs_posted, logs, grad_norms = [], [], [], [], []
     for step in range(STEPS):

@@ -28,6 +28,9 @@ CASES: list[Case] = [
     case("tied", "adam", "1f1b", 2, 2, 4), case("tied", "adam", "v-min", 2, 2, 4, **TWO),   # tie across / on a rank
     case("tuple", "adam", "1f1b", 2, 2, 4), case("mlp", "adam", "1f1b", 2, 2, 4, overlap_grad_sync=True),
     case("mlp", "adam", "1f1b", 2, 2, 4, precision="bf16"),
+    # the all-gather waited for stage by stage before its first F, as on CUDA
+    *[case("mlp", "adam", sched, 2, 2, 4, gather_in_background=True, **opts, **SMALL_BUCKETS)
+      for sched, opts in (("1f1b", {}), ("interleaved-1f1b", TWO))],
     case("mlp", "adam", "1f1b", 1, 4, 4, **SMALL_BUCKETS), case("tied", "sgd", "gpipe", 1, 4, 4),
     case("mlp", "adam", "1f1b", 4, 2, 8, **SMALL_BUCKETS),
 ]
