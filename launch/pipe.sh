@@ -73,6 +73,11 @@ MIN_NODES=${NNODES%%:*}; MAX_NODES=${NNODES##*:}
 if (( MIN_NODES > MAX_NODES )); then
     echo "pipe.sh: NNODES=$NNODES: MIN is larger than MAX" >&2; exit 2
 fi
+if (( MIN_NODES < MAX_NODES )) && [[ -z "${RDZV_ID:-${SLURM_JOB_ID:-}}" ]]; then
+    echo "pipe.sh: NNODES=$NNODES (elastic) needs RDZV_ID, a name for this job that is the same on every node" \
+         "(Slurm's job id is taken when there): a group that changes size finds this job's checkpoints by it" >&2
+    exit 2
+fi
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}

@@ -6,7 +6,7 @@
 # show (-v reports=<folder of shown-by-rank*.txt>). Otherwise print it and exit 0.
 # the group failed and restarted: what is held was that attempt's; start over (torchrun says so only at
 # INFO level, so the restarted trainer's first line on stderr, "restart N: ...", says it too)
-/will restart worker group|^\[default[0-9]+\]:restart [0-9]+: / {
+/will restart worker group|^\[default[0-9]+\]:restart( [0-9]+)?: / {
     for (i = 0; i < n; i++) print buf[i]
     print; fflush(); n = 0; held = 0; worst = 0; crash = 0; signalled = 0; next
 }

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from ..runtime.agree import decided_by_rank0, gathered
 from ..runtime.topology import Topology
 from ..schedule import Costs
@@ -39,14 +41,18 @@ class ResumePoint:
 def pick_checkpoint(cfg: Config, topo: Topology, num_layers: int) -> ResumePoint | None:
     """The checkpoint to resume from, or None to start at step 0. Rank 0 decides, every rank learns it.
 
-    A group restarted by torchrun (``--max-restarts``) resumes by itself from the newest checkpoint
-    this run wrote in ``--save-dir`` (torchrun's run id: a fresh one per single-node launch; multi-node
-    runs share "none", and then the newest checkpoint is taken), else from what ``--resume`` named:
-    otherwise it would start over and overwrite its own checkpoints.
+    A group restarted by torchrun resumes by itself from the newest checkpoint this run wrote in
+    ``--save-dir`` (torchrun's run id: a fresh one per single-node launch, ``RDZV_ID`` across nodes;
+    with "none" the newest checkpoint is taken), else from what ``--resume`` named: otherwise it would
+    start over and overwrite its own checkpoints. Restarted means: after a failure (torchrun counts
+    them per node: a node whose own workers were fine restarts with the others at count 0, so the
+    group's is the largest of any rank), or after the group changed size (a node joined or left an
+    elastic group: no count moves), which shows as a checkpoint of this run already in ``--save-dir``.
     """
-    # torchrun counts restarts per node: a node whose own workers did not fail restarts with the others (c10d
-    # rendezvous) but keeps its count at 0, so the group's attempt is the largest count of any rank
-    attempt = max(gathered(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), None))
+    mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    ours = dist.get_rank() == 0 and _saved_by_this_run(cfg.saving.dir)
+    attempts, saved = zip(*gathered((mine, ours), None))
+    attempt = max(attempts) or (-1 if any(saved) else 0)   # -1: restarted at another size
     if cfg.saving.resume is None and attempt == 0:
         return None
 
@@ -59,11 +65,21 @@ def pick_checkpoint(cfg: Config, topo: Topology, num_layers: int) -> ResumePoint
     return decided_by_rank0(decide)
 
 
+def _saved_by_this_run(directory: str) -> bool:
+    """Whether the newest checkpoint in ``directory`` was written by this run (a run id that names it)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        found = latest(directory)[0]
+        return run_id not in (None, "none") and found is not None and manifest(found).get("run_id") == run_id
+    except (CheckpointError, OSError):
+        return False
+
+
 def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> ResumePoint | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     resume = cfg.saving.resume
     path: str | None = None
-    if attempt > 0 or resume == "latest":
+    if attempt != 0 or resume == "latest":
         found, partial = latest(cfg.saving.dir)
         for p in partial:
             why = "a save that did not finish" if os.path.basename(p).startswith(TMP) else \
@@ -74,9 +90,10 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
             path = found
     if path is None and resume not in (None, "latest"):
         path = resume
-    if attempt > 0:   # on stderr: launch/quiet.awk starts over on it (what it held was the last attempt's)
-        print(f"restart {attempt}: resuming from {path}" if path else
-              f"restart {attempt}: no checkpoint of this run yet: starting at step 0", file=sys.stderr, flush=True)
+    if attempt != 0:   # on stderr: launch/quiet.awk starts over on it (what it held was the last attempt's)
+        what = f"restart {attempt}" if attempt > 0 else "restart: the group changed size"
+        print(f"{what}: resuming from {path}" if path else
+              f"{what}: no checkpoint of this run yet: starting at step 0", file=sys.stderr, flush=True)
     elif path is None:
         print(f"no checkpoint in {cfg.saving.dir!r}: starting at step 0")
     if path is None:

@@ -125,13 +125,14 @@ def test_ranks_with_different_models_are_told_which_layer_differs() -> None:
     assert r0[4].startswith("PeerFailed: error: rank 1 (position 1, replica 0, step 0) failed in F0: LayerError"), r0
 
 
-def nan_worker(rank: int, world: int, policy: str) -> dict[str, Any]:
+def nan_worker(rank: int, world: int, policy: str, zero: bool = False) -> dict[str, Any]:
     from pipeengine.runtime.engine import NonFiniteError, PipelineEngine
     from pipeengine.runtime.topology import Topology
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)]
     engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.AdamW(ps, lr=0.01),
-                            topology=Topology(2, 1), microbatches=3, on_nonfinite=policy, grad_clip=1.0)
+                            topology=Topology(2, world // 2), microbatches=3, on_nonfinite=policy, grad_clip=1.0,
+                            shard_optimizer=zero)
     g = torch.Generator().manual_seed(1)
     batches = [[(torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)) for _ in range(3)] for _ in range(3)]
     batches[1][2][0][0, 0] = float("nan")   # step 1, microbatch 2: a NaN in the input
@@ -165,6 +166,14 @@ def test_nan_in_one_microbatch_is_skipped_or_stops_naming_the_stage(world2: Worl
                                       "from stage 0 (layers 0..1, rank 0)"), r["out"][1]
         assert r["unchanged"] == [False, True]
     assert stop[0]["out"] == stop[1]["out"]   # the same decision and words on every rank
+
+
+@pytest.mark.timeout(120)
+def test_a_skipped_step_leaves_zero_1_shards_and_parameters_unchanged(world4: WorldPool) -> None:
+    for r in world4.run(nan_worker, "skip", True, timeout=100):   # pp 2 x dp 2, optimizer state sharded
+        assert r["out"] == [(False, False, True), (True, True, False), (False, False, True)], r
+        assert r["unchanged"] == [False, True, False] and r["skipped"] == 1
+        assert r["steps"] == [2] * len(r["steps"]) and r["steps"], r   # every shard stepped twice
 
 
 def _spawn(world: int, scenario: str, **env: str) -> list[subprocess.Popen[str]]:

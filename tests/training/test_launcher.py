@@ -97,6 +97,12 @@ def test_pipe_sh_usage_and_bad_arguments(tmp_path: Path) -> None:
     assert alone.returncode == 2 and alone.stderr.rstrip().endswith(
         f"pipe.sh: node 0 (127.0.0.1:{port}) did not answer within 1 s; start node 0 first (NODE_RANK=0), or check "
         "MASTER_ADDR, MASTER_PORT and the firewall"), alone.stderr
+    for nnodes, said in (("2:x", "NNODES must be a number of nodes or a range MIN:MAX (got '2:x')"),
+                         ("3:2", "NNODES=3:2: MIN is larger than MAX"),
+                         ("1:2", "NNODES=1:2 (elastic) needs RDZV_ID, a name for this job that is the same on every "
+                                 "node")):
+        r = pipe_sh("2", "cpus", env={"NNODES": nnodes, "SLURM_JOB_ID": "", "RDZV_ID": ""})
+        assert r.returncode == 2 and said in r.stderr, r.stderr
 
 
 def test_pipe_sh_gpus_without_a_gpu_says_so_in_one_line_before_starting_workers(tmp_path: Path) -> None:

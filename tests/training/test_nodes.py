@@ -41,7 +41,7 @@ def _two_nodes(tmp: Path, nnodes: str, steps: int, when: str,
     outs: list[list[str]] = [[], []]
     for node in (0, 1):
         env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="0", NNODES=nnodes, NODE_RANK=str(node),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="60")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="60", RDZV_ID=f"test-{port}")
         procs.append(subprocess.Popen(["bash", str(ROOT / "launch" / "pipe.sh"), "2", "cpus", *flags], cwd=tmp,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
