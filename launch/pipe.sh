@@ -19,6 +19,9 @@
 #                     at the new size, which the trainer re-plans (pp x dp, same global batch) from the newest
 #                     checkpoint in --save-dir (a folder every node shares). Restarts need --max-restarts.
 #   RDZV_ID=$SLURM_JOB_ID or "none"   names the rendezvous (the same on every node of one job)
+#   LAST_CALL=5       seconds the rendezvous waits for more nodes once MIN are there
+#   RDZV_CONF=        more torchrun --rdzv-conf settings, e.g. keep_alive_interval=5,heartbeat_timeout=30 (a lost
+#                     node is noticed after a few missed keep-alives)
 #   LOG_RANK=0        which local rank's output to show (torchrun --local-ranks-filter); "all" for every rank
 #   RANK_LOGS=<log dir>/.ranks/<time>-<pid>   every rank's stdout/stderr files (torchrun --log-dir), linked from
 #                     the run folder as ranks/
@@ -166,7 +169,7 @@ if (( MAX_NODES > 1 )); then
     IS_HOST=$(( NODE_RANK == 0 ? 1 : 0 ))
     RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
           --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-none}}"
-          --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-120},is_host=$IS_HOST,last_call_timeout=${LAST_CALL:-5}")
+          --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-120},is_host=$IS_HOST,last_call_timeout=${LAST_CALL:-5}${RDZV_CONF:+,$RDZV_CONF}")
 else
     RDZV=(--standalone)
 fi
