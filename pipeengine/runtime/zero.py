@@ -154,10 +154,9 @@ class ShardedOptimizer:
         accepted = inspect.signature(cls).parameters
         self.optimizer = cls([{**hyper[i], "params": ps} for i, ps in sorted(per_group.items())],
                              **{key: v for key, v in optimizer.defaults.items() if key in accepted})
-        index = {id(p): j for j, p in enumerate(p for b in sync.buckets for p in b)}
-        self._slots = index
-        self._squares = torch.zeros(len(index) + 1, dtype=torch.float64, device=self.flats[0].device
-                                    if self.flats else None)
+        self._slots = {id(p): j for j, p in enumerate(p for b in sync.buckets for p in b)}   # -> _squares
+        self._squares = torch.zeros(len(self._slots) + 1, dtype=torch.float64,
+                                    device=self.flats[0].device if self.flats else None)
 
     def _lay_out(self, k: int, bucket: list[nn.Parameter]) -> None:
         size, n = self.sync.sizes[k], self.sync.size
