@@ -45,7 +45,7 @@ from pipeengine.schedule.builders import default_chunks
 # ours -> torch.distributed.pipelining's schedule for the same work (zb-h1: torch's interleaved ZB on one stage)
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
          "zb-h1": "ScheduleInterleavedZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
-         "zbv": "ScheduleZBVZeroBubble"}
+         "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
 def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
@@ -232,9 +232,9 @@ def real_mode(steps: int, hidden: int, depth: int, global_batch: int, m: int) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", nargs="+", default=["1f1b"],
-                   help="gpipe, 1f1b, interleaved-1f1b (2 chunks), zb-h1, zb-h2, interleaved-zb, zbv, v-half, v-min "
-                        "(torch's counterpart where it has one: " + ", ".join(f"{k} = {v}" for k, v in TORCH.items())
-                        + ")")
+                   help="gpipe, 1f1b, interleaved-1f1b (2 chunks), zb-h1, zb-h2, interleaved-zb, zbv, dualpipev, "
+                        "v-half, v-min (torch's counterpart where it has one: "
+                        + ", ".join(f"{k} = {v}" for k, v in TORCH.items()) + ")")
     p.add_argument("--microbatches", nargs="+", type=int, default=[8])
     p.add_argument("--tf", type=float, default=0.010, help="forward seconds per stage (default 0.010)")
     p.add_argument("--tb", type=float, default=0.010, help="input-grad seconds per stage (default 0.010)")

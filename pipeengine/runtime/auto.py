@@ -26,7 +26,7 @@ __all__ = ["AutoChoice", "auto_schedule", "lower_bound", "LIBRARY"]
 SEARCH_BUDGET = 600   # splits scored per library schedule (the planner's own default is 2,000)
 # (name, chunks): the library auto compares against
 LIBRARY = (("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2),
-           ("v-half", 2), ("v-min", 2))
+           ("dualpipev", 2), ("v-half", 2), ("v-min", 2))
 _PLACEMENTS = (("loop", 1, ("zb-h2", "zb-h1", "1f1b")), ("v", 2, ("zbv", "v-half", "v-min")),
                ("loop", 2, ("interleaved-zb", "interleaved-1f1b")))
 
@@ -117,12 +117,13 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
                                  microbatches, chunks)
         caps = _caps_from_memory(choice, base, costs, memory_cap, state_factor, default)
         try:
-            sched = lower(synthesise("auto", pp, microbatches, chunks, placement, stage, caps), stage)
+            order = synthesise("auto", pp, microbatches, chunks, placement, stage, caps)
         except ValueError:   # the cap leaves too little room for this placement
             candidates[label] = None
             continue
+        lowered = [lower(order, stage, batch) for batch in (True, False)]   # as compile_schedule does
+        makespan, sched = min(((simulate(s, stage).makespan, s) for s in lowered), key=lambda ms: ms[0])
         validate(sched)
-        makespan = simulate(sched, stage).makespan
         candidates[label] = makespan
         results.append((makespan, label, sched, choice))
     if not results:

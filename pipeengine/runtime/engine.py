@@ -119,7 +119,7 @@ class PipelineEngine:
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
         self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
-        self._split = self.schedule.split_backward   # (a scan of every program: asked once, not per B)
+        self._split = {(mb, c) for p, mb, c in self.schedule.split_backwards() if p == self.position}   # B then W
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
@@ -383,7 +383,7 @@ class PipelineEngine:
             grads = (None if stage.is_last
                      else self._receive(state, Kind.RECV_B, a, stage.index, stage.index + 1))
             start = self.clock.mark()
-            input_grads = stage.backward(mb, grads, self._split)
+            input_grads = stage.backward(mb, grads, (mb, a.chunk) in self._split)
             if not stage.is_first:
                 self._pass_on(state, Kind.B, a, input_grads, stage.index - 1)
         elif a.kind is Kind.W:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -209,11 +209,12 @@ def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, norm:
 
 
 def final_gradients(program: Sequence[Step], chunk_params: Sequence[Sequence[nn.Parameter]],
-                    split_backward: bool) -> dict[int, list[nn.Parameter]]:
+                    split: Collection[tuple[int, int]]) -> dict[int, list[nn.Parameter]]:
     """Program index -> the parameters whose last gradient of the step that action accumulates: the
-    stage's last B (its last W when backward is split); a parameter shared by stages, the later one."""
-    grad_kind = Kind.W if split_backward else Kind.B
-    last = {st[0].chunk: i for i, st in enumerate(program) if st[0].kind is grad_kind}
+    stage's last W or full B (``split``: the (microbatch, chunk) whose backward is split into B and W);
+    a parameter shared by stages, the later one."""
+    last = {st[0].chunk: i for i, st in enumerate(program)
+            if st[0].kind is Kind.W or (st[0].kind is Kind.B and (st[0].microbatch, st[0].chunk) not in split)}
     final: dict[int, tuple[int, nn.Parameter]] = {}   # id(param) -> (program index, param)
     for c, params in enumerate(chunk_params):
         for p in params:

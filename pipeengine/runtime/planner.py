@@ -226,18 +226,10 @@ class _Splits:
         return [(f[z] - f[a], b[z] - b[a], w[z] - w[a]) for a, z in zip(bounds, bounds[1:])]
 
     def _table(self, bounds: Sequence[int]) -> list[list[tuple[float, float, float]]]:
-        """Each stage's (F, B, W) durations as ``Dataflow`` takes them (B includes W without a split)."""
+        """Each stage's (F, B, W) durations as ``Dataflow`` takes them (a full backward runs b + w: the fused time)."""
         f, b, w = self.prefix[:3]
-        merge = not self.split
-        out = []
-        for row in self.stage_at:
-            cells = []
-            for s in row:
-                lo, hi = bounds[s], bounds[s + 1]
-                bw = b[hi] - b[lo], w[hi] - w[lo]
-                cells.append((f[hi] - f[lo], bw[0] + bw[1] if merge else bw[0], bw[1]))
-            out.append(cells)
-        return out
+        return [[(f[bounds[s + 1]] - f[bounds[s]], b[bounds[s + 1]] - b[bounds[s]], w[bounds[s + 1]] - w[bounds[s]])
+                 for s in row] for row in self.stage_at]
 
     def bound(self, bounds: Sequence[int]) -> float:
         """A lower bound of the makespan: the busiest position's work."""

@@ -21,7 +21,7 @@ class Kind(str, enum.Enum):
     """What an action does. Compute kinds run a stage; comm kinds move data to a neighbour."""
 
     F = "F"            # forward of one microbatch through one chunk
-    B = "B"            # backward: full backward, or input-grad only when the schedule has W
+    B = "B"            # backward: input-grad only when its W is in the schedule, else the full backward
     W = "W"            # weight-grad part of a split backward (zero-bubble)
     SEND_F = "sendF"   # send this chunk's output activation to the next stage
     RECV_F = "recvF"   # receive this chunk's input activation from the previous stage
@@ -130,8 +130,19 @@ class Schedule:
 
     @property
     def split_backward(self) -> bool:
-        """True when backward is split into B (input grad) and W (weight grad)."""
+        """True when some backward is split into B (input grad) and W (weight grad)."""
         return any(a.kind is Kind.W for prog in self.programs for step in prog for a in step)
+
+    def split_backwards(self) -> frozenset[tuple[int, int, int]]:
+        """(position, microbatch, chunk) of every backward split into B and W: those whose W is in the schedule.
+        Any other B is a full backward (input and weight gradients at once); a schedule may mix both (DualPipeV)."""
+        return frozenset((p, a.microbatch, a.chunk) for p, prog in enumerate(self.programs) for step in prog
+                         for a in step if a.kind is Kind.W)
+
+    def releases(self, position: int, a: Action, split: frozenset[tuple[int, int, int]]) -> bool:
+        """Whether compute action ``a`` frees its activation: its W, or its B when that backward is not split
+        (``split``: :meth:`split_backwards`)."""
+        return a.kind is Kind.W or (a.kind is Kind.B and (position, a.microbatch, a.chunk) not in split)
 
     def stage(self, position: int, chunk: int) -> int:
         if self.placement_kind == "v" and chunk == 1:

@@ -1,4 +1,5 @@
-"""Schedule builders from integers (GPipe, 1F1B, interleaved 1F1B, zero-bubble H1, forward-only); compile; closed forms.
+"""Schedule builders from integers (GPipe, 1F1B, interleaved 1F1B, zero-bubble H1, forward-only; the V ones in
+vshape.py); the catalogue; compile; closed forms.
 
 A builder returns, per position, the order of its compute actions; :func:`compile_schedule` lowers
 it with paired communication (lower.py) and proves it (verify.py): the exact program the engine runs.
@@ -13,11 +14,12 @@ from .costs import Costs
 from .lower import lower
 from .simulate import simulate
 from .synth import synthesise
+from .vshape import dualpipev, zbv
 from .verify import validate
 
 __all__ = ["SCHEDULES", "CHUNKS", "build_schedule", "compile_schedule", "theoretical_bubble", "default_chunks",
            "schedule_bubble",
-           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "forward_only"]
+           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "forward_only"]
 
 Program = list[Action]
 
@@ -134,63 +136,13 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[Program]:
     return progs
 
 
-def zbv(pp: int, microbatches: int) -> list[Program]:
-    """Zero-bubble V (ZB paper, section 6): two stages per position in V placement, backward split into B and W.
-
-    Position r runs stage r (chunk 0, going down) and stage 2pp-1-r (chunk 1, coming back up), so the
-    last stage and the loss are on position 0. Warm-up: 2(pp-r)-1 chunk-0 forwards, then r times a
-    chunk-1 forward followed by a chunk-0 forward, then pp-r times F, B, W of chunk 1. Steady state:
-    F, B, W on chunk 0, then on chunk 1, until every forward ran. Cool-down: r times B on chunk 0 and
-    chunk 1, then pp-r times B and W on chunk 0, then the W's left (chunk 1 first). With f = b = w
-    per stage the bubble is almost gone and each position holds at most 2pp chunk activations
-    (pp microbatches' worth, as 1F1B's first position). Fewer than 2pp-1 microbatches run the same
-    order with the missing ones left out.
-    """
-    n = max(2 * pp - 1, microbatches)   # the order is laid out for at least 2pp-1 microbatches
-    progs = []
-    for r in range(pp):
-        order: list[Action] = []
-        done = {(kind, c): 0 for kind in (Kind.F, Kind.B, Kind.W) for c in (0, 1)}
-
-        def run(kind: Kind, chunk: int) -> None:
-            mb = done[(kind, chunk)]
-            done[(kind, chunk)] = mb + 1
-            order.append(Action(kind, mb, chunk))
-
-        for _ in range(2 * (pp - r) - 1):
-            run(Kind.F, 0)
-        for _ in range(r):
-            run(Kind.F, 1)
-            run(Kind.F, 0)
-        for _ in range(pp - r):
-            for kind in (Kind.F, Kind.B, Kind.W):
-                run(kind, 1)
-        while done[(Kind.F, 0)] < n or done[(Kind.F, 1)] < done[(Kind.F, 0)]:
-            if done[(Kind.F, 0)] < n:
-                run(Kind.F, 0)
-            run(Kind.B, 0)
-            run(Kind.W, 0)
-            for kind in (Kind.F, Kind.B, Kind.W):
-                run(kind, 1)
-        for _ in range(r):
-            run(Kind.B, 0)
-            run(Kind.B, 1)
-        for _ in range(pp - r):
-            run(Kind.B, 0)
-            run(Kind.W, 0)
-        for chunk in (1, 0):
-            while done[(Kind.W, chunk)] < done[(Kind.B, chunk)]:
-                run(Kind.W, chunk)
-        progs.append([a for a in order if a.microbatch < microbatches])
-    return progs
-
-
 SCHEDULES: dict[str, str] = {
     "gpipe": "all forwards then all backwards (GPipe); holds m microbatches",
     "1f1b": "one-forward-one-backward (PipeDream-flush); holds at most pp-r at position r",
     "interleaved-1f1b": "Megatron interleaved 1F1B over --chunks stages per position",
     "zb-h1": "zero-bubble H1: backward split into B and W, same peak memory as 1F1B",
     "zbv": "zero-bubble V: two stages per position in V placement (loss on position 0), B and W split",
+    "dualpipev": "DualPipeV: V placement, F of one stage paired with the full B of the other; split B/W at the ends",
     "zb-h2": "zero-bubble H2: warm-up runs ahead (up to 2pp-1 microbatches held) so the drain has no bubble",
     "interleaved-zb": "interleaved zero bubble: --chunks stages per position (loop), B and W split, W's fill the gaps",
     "v-half": "V placement, B and W split, at most (pp+2)//2 microbatches held per position (half of 1F1B's first)",
@@ -199,8 +151,8 @@ SCHEDULES: dict[str, str] = {
 }
 
 
-CHUNKS = {"interleaved-1f1b": 2, "interleaved-zb": 2, "zbv": 2, "v-half": 2, "v-min": 2}   # others: 1 stage
-PLACEMENT = {"zbv": "v", "v-half": "v", "v-min": "v"}   # schedules not named here loop
+CHUNKS = {"interleaved-1f1b": 2, "interleaved-zb": 2, "zbv": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}   # else 1
+PLACEMENT = {"zbv": "v", "dualpipev": "v", "v-half": "v", "v-min": "v"}   # schedules not named here loop
 ANY_CHUNKS = ("interleaved-1f1b", "interleaved-zb", "forward")
 
 
@@ -263,6 +215,7 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
         "interleaved-1f1b": lambda: interleaved_1f1b(pp, microbatches, chunks),
         "zb-h1": lambda: zb_h1(pp, microbatches, lag_w),
         "zbv": lambda: zbv(pp, microbatches),
+        "dualpipev": lambda: dualpipev(pp, microbatches),
         "forward": lambda: forward_only(pp, microbatches, chunks, placement),
     }
     programs = [steps_of(p) for p in builders[name]()]
@@ -274,18 +227,25 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
     """Build, lower and validate: the exact program the engine runs.
 
     ``costs`` (per stage; default uniform f = b = w) order the communication: the schedule is
-    lowered with them (see :func:`lower`). For zb-h1 both W orderings are lowered and simulated
-    with them and the faster one kept (ties go to the paper's H1).
+    lowered with them (see :func:`lower`), once with comm batches and once one transfer per step, and
+    the faster in simulation with them kept (ties: batched). For zb-h1 both W orderings are tried too
+    (ties go to the paper's H1).
     """
-    lowered = lower(build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs), costs)
-    validate(lowered)
+    built = [build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs)]
     if name == "zb-h1":
-        alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False), costs)
-        validate(alt)
-        c = costs or Costs()
-        if simulate(alt, c).makespan < simulate(lowered, c).makespan:
-            return alt
-    return lowered
+        built.append(build_schedule(name, pp, microbatches, chunks, lag_w=False))
+    best: tuple[float, Schedule] | None = None
+    for schedule in built:
+        for batch in (True, False):
+            lowered = lower(schedule, costs, batch)
+            validate(lowered)
+            if name == "forward":
+                return lowered
+            makespan = simulate(lowered, costs or Costs()).makespan
+            if best is None or makespan < best[0]:
+                best = (makespan, lowered)
+    assert best is not None
+    return best[1]
 
 
 def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int | None = None,

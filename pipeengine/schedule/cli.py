@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp", type=_count, default=4, help="pipeline positions (default 4)")
     parser.add_argument("--microbatches", "-m", type=_count, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--chunks", "-v", type=_count, default=None,
-                        help="stages per position (default: the schedule's own, 2 for interleaved-1f1b and zbv, "
+                        help="stages per position (default: the schedule's own, 2 for the interleaved and V ones, "
                              "else 1)")
     parser.add_argument("--tf", type=_cost, default=1.0, help="forward cost (default 1)")
     parser.add_argument("--tb", type=_cost, default=1.0,

@@ -100,7 +100,7 @@ def check_compute(schedule: Schedule) -> None:
     """Completeness and same-position order of F/B/W (comm steps are ignored here)."""
     if len(schedule.programs) != schedule.pp:
         raise ScheduleError(f"schedule has {len(schedule.programs)} programs for pp={schedule.pp} (one per position)")
-    kinds = [Kind.F] + ([] if schedule.forward_only else [Kind.B]) + ([Kind.W] if schedule.split_backward else [])
+    kinds = [Kind.F] + ([] if schedule.forward_only else [Kind.B])   # a W is optional: without it B is the full one
     for p, prog in enumerate(schedule.programs):
         done: dict[tuple[Kind, int, int], int] = {}
         for i, step in enumerate(prog):

@@ -12,7 +12,9 @@ equal time and tier transfers sort first. The tier only matters for zero costs: 
 of duration 0 ends one tier after it starts, so its sends still sort after it and its
 consumers after them (with positive costs every tier is 0).
 Every position's program is its events sorted by key, and comm events with no compute between
-them are posted as one batch. Because both ends of a link sort the same keys, both post the
+them are posted as one batch (``batch=False``: one by one; a batch completes as a unit, so a send
+its peer takes late holds up a recv joined with it, and :func:`compile_schedule` keeps whichever
+simulates faster). Because both ends of a link sort the same keys, both post the
 link's ops in the same sequence (paired order), and a recv always precedes its consumer,
 a send always follows its producer. The result is then *checked*, not trusted: the validator
 (verify.py) re-derives the pairing and runs the rendezvous simulator, in which a batch completes
@@ -43,12 +45,12 @@ __all__ = ["lower", "witness_times"]
 Stamp = tuple[int, int]   # (tick, tier), compared lexicographically
 
 
-def _ticks(schedule: Schedule, costs: Costs | Sequence[Costs] | None) -> list[list[dict[Kind, int]]]:
-    """Each stage's F/B/W durations in exact integer ticks, as ``[position][chunk]`` (see :func:`witness_times`)."""
-    split = schedule.split_backward
-    kinds = (Kind.F, Kind.B, Kind.W)
+def _ticks(schedule: Schedule, costs: Costs | Sequence[Costs] | None) -> list[list[dict[Kind | None, int]]]:
+    """Each stage's durations in exact integer ticks, as ``[position][chunk]``: F, B and W of a split backward, and
+    under the key None a full backward's B (b + w) (see :func:`witness_times`)."""
+    kinds: tuple[Kind | None, ...] = (Kind.F, Kind.B, Kind.W, None)
     table = per_stage(Costs() if costs is None else costs, schedule)
-    durations = [[[c.of(k, split) for k in kinds] for c in row] for row in table]
+    durations = [[[c.f, c.b, c.w, c.b + c.w] for c in row] for row in table]
     unit = max([d for row in durations for st in row for d in st if d > 0], default=1.0)
     exact = [[[Fraction(d / unit).limit_denominator(10**6) for d in st] for st in row] for row in durations]
     per_tick = lcm(*(x.denominator for row in exact for st in row for x in st))
@@ -59,7 +61,7 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
     """(start, end) stamps of every compute action under data dependencies with ``costs``.
 
     ``costs`` is one Costs for all stages, one per position or one per stage, as for ``simulate``; None means
-    unit costs (F=1, B=2, W=1, or B=1 when backward is split). ``comm`` is not modelled: a
+    unit costs (F = B = W = 1; the B of a full backward, one without its W, takes 2). ``comm`` is not modelled: a
     consumer may start when its producer ends (adding comm delays here, with no model of each
     position's in-order comm queue, gave worse orders in simulation than leaving them out).
 
@@ -74,6 +76,7 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
     """
     acts = [schedule.compute_actions(p) for p in range(schedule.pp)]
     ticks = _ticks(schedule, costs)
+    split = schedule.split_backwards()
     end_of: dict[tuple[int, Action], Stamp] = {}
     times: list[list[tuple[Stamp, Stamp]]] = [[] for _ in acts]
     clock: list[Stamp] = [(0, 0)] * schedule.pp
@@ -88,7 +91,8 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
                 if dep is not None and dep not in end_of:
                     break
                 start = max(clock[p], end_of[dep]) if dep is not None else clock[p]
-                d = ticks[p][a.chunk][a.kind]
+                full = a.kind is Kind.B and (p, a.microbatch, a.chunk) not in split
+                d = ticks[p][a.chunk][None if full else a.kind]
                 end = (start[0] + d, 0) if d > 0 else (start[0], start[1] + 1)
                 end_of[(p, a)] = end
                 times[p].append((start, end))
@@ -107,12 +111,13 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
     return times
 
 
-def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> Schedule:
-    """Insert paired, batched send/recv steps into a compute-only schedule (see the module note).
+def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, batch: bool = True) -> Schedule:
+    """Insert paired send/recv steps into a compute-only schedule (see the module note).
 
     The order comes from a witness execution with ``costs`` (one Costs for all stages, one per
     position or one per stage, as for ``simulate``); None means unit costs. Lower with the costs you will run
-    with: the order of transfers, and so the makespan, depends on them.
+    with: the order of transfers, and so the makespan, depends on them. ``batch``: comm actions with no
+    compute between them form one step (posted together), else each is a step of its own.
     """
     if schedule.lowered:
         return schedule
@@ -126,12 +131,15 @@ def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> S
                 key = (*end, 0, int(a.kind is Kind.B), schedule.stage(p, a.chunk), a.microbatch)
                 events[p].append((key, send))
                 events[q].append((key, recv))
-    programs = [_batched([a for _, a in sorted(evs, key=lambda e: e[0])]) for evs in events]
+    programs = [_batched([a for _, a in sorted(evs, key=lambda e: e[0])], batch) for evs in events]
     return replace(schedule, programs=_add_headers(schedule, programs), lowered=True)
 
 
-def _batched(actions: list[Action]) -> list[Step]:
-    """Each compute action a step of its own; comm actions with no compute between them one batch."""
+def _batched(actions: list[Action], together: bool) -> list[Step]:
+    """Each compute action a step of its own; comm actions with no compute between them one batch (``together``)
+    or one step each."""
+    if not together:
+        return [(a,) for a in actions]
     prog: list[Step] = []
     batch: list[Action] = []
     for a in actions:

@@ -37,12 +37,12 @@ def in_flight_peaks(schedule: Schedule) -> list[int]:
     """Per position, the peak count of (microbatch, chunk) activations held: from F until B (or W when split)."""
     if schedule.forward_only:
         return [0] * schedule.pp
-    release = Kind.W if schedule.split_backward else Kind.B
+    split = schedule.split_backwards()
     peaks = []
     for p in range(schedule.pp):
         held = peak = 0
         for a in schedule.compute_actions(p):
-            held += 1 if a.kind is Kind.F else -1 if a.kind is release else 0
+            held += 1 if a.kind is Kind.F else -1 if schedule.releases(p, a, split) else 0
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -53,13 +53,13 @@ def stage_peaks(schedule: Schedule) -> dict[int, int]:
     engine's stages count live (``StepResult.peak_stored``)."""
     if schedule.forward_only:
         return {s: 0 for s in range(schedule.num_stages)}
-    release = Kind.W if schedule.split_backward else Kind.B
+    split = schedule.split_backwards()
     peaks = {}
     for p in range(schedule.pp):
         held = [0] * schedule.chunks
         peak = [0] * schedule.chunks
         for a in schedule.compute_actions(p):
-            held[a.chunk] += 1 if a.kind is Kind.F else -1 if a.kind is release else 0
+            held[a.chunk] += 1 if a.kind is Kind.F else -1 if schedule.releases(p, a, split) else 0
             peak[a.chunk] = max(peak[a.chunk], held[a.chunk])
         peaks.update({schedule.stage(p, c): peak[c] for c in range(schedule.chunks)})
     return peaks
@@ -92,7 +92,7 @@ class _Run:
         self.schedule = schedule
         self.n = schedule.pp
         self.costs = per_stage(costs, schedule)   # [position][chunk]
-        self.split = schedule.split_backward
+        self.split = schedule.split_backwards()
         self.progs = schedule.programs
         self.where: list[dict[Action, int]] = [{a: i for i, step in enumerate(p) for a in step} for p in self.progs]
         self.partners: list[dict[Action, Action]] = [
@@ -105,7 +105,8 @@ class _Run:
         self.intervals: list[list[Interval]] = [[] for _ in self.progs]
 
     def compute(self, p: int, step: Step, ready: float) -> None:
-        d = self.costs[p][step[0].chunk].of(step[0].kind, self.split)
+        a = step[0]
+        d = self.costs[p][a.chunk].of(a.kind, (p, a.microbatch, a.chunk) in self.split)
         self.intervals[p].append((ready, ready + d, step))
         self.clock[p] = ready + d
         self.busy[p] += d
@@ -272,16 +273,15 @@ class Dataflow:
     so the order is worked out once and each :meth:`makespan` is one pass over the actions.
     """
 
-    _KINDS = (Kind.F, Kind.B, Kind.W)
-
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
-        self.split = schedule.split_backward
+        split = schedule.split_backwards()
         acts = [schedule.compute_actions(p) for p in range(schedule.pp)]
         ids: dict[tuple[int, Action], int] = {}
-        # per action in dependency order: (position, cost slot (p * chunks + c) * 3 + kind, needed id | -1, cross)
+        # per action in dependency order: (position, cost slot (p * chunks + c) * 4 + kind, needed id | -1, cross);
+        # kind 0 F, 1 B of a split backward, 2 W, 3 B of a full backward (b + w)
         self._slots: list[tuple[int, int, int, int]] = []
-        self.count = [[[0, 0, 0] for _ in range(schedule.chunks)] for _ in range(schedule.pp)]
+        self.count = [[[0, 0, 0, 0] for _ in range(schedule.chunks)] for _ in range(schedule.pp)]
         pc = [0] * schedule.pp
         progress = True
         while progress:
@@ -292,8 +292,9 @@ class Dataflow:
                     dep = dependency(schedule, p, a)
                     if dep is not None and dep not in ids:
                         break
-                    k = self._KINDS.index(a.kind)
-                    self._slots.append((p, (p * schedule.chunks + a.chunk) * 3 + k, ids[dep] if dep is not None else -1,
+                    k = (0 if a.kind is Kind.F else 2 if a.kind is Kind.W
+                         else 1 if (p, a.microbatch, a.chunk) in split else 3)
+                    self._slots.append((p, (p * schedule.chunks + a.chunk) * 4 + k, ids[dep] if dep is not None else -1,
                                         int(dep is not None and dep[0] != p)))
                     self.count[p][a.chunk][k] += 1
                     ids[(p, a)] = len(ids)
@@ -304,16 +305,16 @@ class Dataflow:
             raise AssertionError("dependency order stuck without a cycle")
 
     def durations(self, costs: Costs | Sequence[Costs]) -> list[list[tuple[float, float, float]]]:
-        return [[(c.of(Kind.F, self.split), c.of(Kind.B, self.split), c.of(Kind.W, self.split)) for c in row]
-                for row in per_stage(costs, self.schedule)]
+        """``[position][chunk]``: (f, b, w) of each stage as :meth:`makespan` takes them (a full B costs b + w)."""
+        return [[(c.f, c.b, c.w) for c in row] for row in per_stage(costs, self.schedule)]
 
     def work(self, table: list[list[tuple[float, float, float]]]) -> list[float]:
         """Per position, the sum of its compute durations: no makespan is below the largest."""
-        return [sum(n * d for cnt, dur in zip(self.count[p], table[p]) for n, d in zip(cnt, dur))
+        return [sum(n * d for cnt, (f, b, w) in zip(self.count[p], table[p]) for n, d in zip(cnt, (f, b, w, b + w)))
                 for p in range(self.schedule.pp)]
 
     def makespan(self, table: list[list[tuple[float, float, float]]], comm: float = 0.0) -> float:
-        flat = [d for row in table for cell in row for d in cell]   # slot (p * chunks + c) * 3 + kind
+        flat = [d for row in table for f, b, w in row for d in (f, b, w, b + w)]   # slot (p * chunks + c) * 4 + kind
         end = [0.0] * len(self._slots)
         clock = [0.0] * self.schedule.pp
         for i, (p, slot, dep, cross) in enumerate(self._slots):

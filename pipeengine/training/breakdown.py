@@ -64,14 +64,20 @@ def pipeline_bubble(parts_by_rank: Mapping[int, Mapping[str, float]]) -> float:
 def simulated_bubble(schedule: Schedule, records_by_position: Sequence[Sequence[ActionRecord]]) -> float:
     """The simulator's bubble for this schedule fed each position's measured mean F, B and W times (one
     pipeline's records, by position: every replica runs the same program)."""
-    split = schedule.split_backward
+    split = schedule.split_backwards()
     per_position = []
-    for rs in records_by_position:
-        mean = {}
-        for kind in COMPUTE_PHASES:
-            ds = [r.end - r.start for r in rs if r.kind == kind]
-            mean[kind] = sum(ds) / len(ds) if ds else 0.0
-        per_position.append(Costs(f=mean[Phase.F], b=mean[Phase.B], w=mean[Phase.W] if split else 0.0))
+    for p, rs in enumerate(records_by_position):
+        f = _mean([r for r in rs if r.kind == Phase.F])
+        if any(q == p for q, _, _ in split):   # b from the split B's; a full B is simulated as b + w
+            split_b = [r for r in rs if r.kind == Phase.B
+                       and (p, r.microbatch, schedule.placement(r.stage)[1]) in split]
+            per_position.append(Costs(f=f, b=_mean(split_b), w=_mean([r for r in rs if r.kind == Phase.W])))
+        else:
+            per_position.append(Costs(f=f, b=_mean([r for r in rs if r.kind == Phase.B]), w=0.0))
     if all(c.f + c.b <= 0 for c in per_position):
         return 0.0
     return simulate(schedule, per_position).mean_bubble
+
+
+def _mean(records: Sequence[ActionRecord]) -> float:
+    return sum(r.end - r.start for r in records) / len(records) if records else 0.0

@@ -96,7 +96,7 @@ class ScheduleConfig:
     name: str = setting("1f1b", "the pipeline schedule (auto: the schedule and the split chosen together from the "
                         "measured layer costs, with --partition profile)", flag="--schedule",
                         choices=TRAINING_SCHEDULES)
-    chunks: int = setting(0, "stages per position (0: the schedule's own, 2 for interleaved-1f1b and zbv, else 1)",
+    chunks: int = setting(0, "stages per position (0: the schedule's own, 2 for the interleaved and V ones, else 1)",
                           check=at_least(0))
     microbatches: int | None = setting(None, "microbatches per step per replica (None: 4 when the global batch "
                                              "allows, or what it and -b leave)", short="-m", check=at_least(1))

@@ -17,7 +17,7 @@ SPLITS = [(1, "1f1b", 1, "uniform"),
           (2, "interleaved-1f1b", 2, "uniform"),
           (2, "zbv", 2, (0, 1, 4, 7, 8)),
           (4, "1f1b", 1, "uniform"), (4, "zb-h1", 1, (0, 1, 2, 7, 8)), (4, "interleaved-1f1b", 2, "uniform"),
-          (4, "zbv", 2, "uniform")]   # zbv: embedding and tied head both on position 0
+          (4, "zbv", 2, "uniform"), (4, "dualpipev", 2, "uniform")]   # V: embedding and tied head on position 0
 
 
 def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, precision: str) -> dict[str, Any]:

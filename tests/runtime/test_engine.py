@@ -29,6 +29,8 @@ WORLD2: list[Case] = [
     case("tied", "adam", "1f1b", 2, 1, 4),
     # V placement: the first and the last stage (and a tie between them) on position 0, the turn local
     case("mlp", "adam", "zbv", 2, 1, 4, **TWO), case("tied", "adam", "zbv", 2, 1, 4, **TWO),
+    # DualPipeV: full and split backwards in one schedule (a B without its W is the full backward)
+    case("tied", "adam", "dualpipev", 2, 1, 8, **TWO),
     # synthesised (synth.py): zero-bubble H2, interleaved zero bubble, V with controllable memory
     case("mlp", "adam", "zb-h2", 2, 1, 4), case("mlp", "sgd", "interleaved-zb", 2, 1, 4, **TWO),
     case("mlp", "adam", "v-half", 2, 1, 4, **TWO), case("tied", "adam", "v-min", 2, 1, 4, **TWO),
@@ -52,6 +54,7 @@ WORLD4: list[Case] = [
     case("mlp", "sgd", "zbv", 2, 2, 4, **TWO), case("tuple", "adam", "zbv", 4, 1, 8, **TWO),
     case("mlp", "adam", "v-half", 4, 1, 8, **TWO), case("tuple", "adam", "zb-h2", 4, 1, 8),
     case("mlp", "adam", "interleaved-zb", 2, 2, 4, **TWO),
+    case("mlp", "adam", "dualpipev", 2, 2, 8, **TWO, **SMALL_BUCKETS),   # in-backward all-reduce after a full B or W
     case("mlp", "sgd", "1f1b", 4, 1, 8, wire="tags"),
     *[c.but(overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)
       for c in (case("mlp", "sgd", "1f1b", 2, 2, 4), case("mlp", "adam", "zb-h1", 2, 2, 4),

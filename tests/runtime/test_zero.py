@@ -20,7 +20,7 @@ from tests.runtime.equivalence import Case, case, check, run_case
 
 TWO = {"chunks": 2}
 SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("zb-h2", {}), ("interleaved-1f1b", TWO),
-             ("interleaved-zb", TWO), ("zbv", TWO), ("v-half", TWO), ("v-min", TWO)]
+             ("interleaved-zb", TWO), ("zbv", TWO), ("v-half", TWO), ("v-min", TWO), ("dualpipev", TWO)]
 SMALL_BUCKETS = {"bucket_mb": 2e-4}   # several buckets, parameters cut across shards
 CASES: list[Case] = [
     *[case("mlp", "adam" if k % 2 else "sgd", sched, 2, 2, 4, **opts, **SMALL_BUCKETS)

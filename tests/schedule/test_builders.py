@@ -94,7 +94,7 @@ def test_zb_h1_reaches_closed_form_for_non_uniform_costs(f: float, b: float, w: 
 
 SWEEP = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("forward", 1), ("forward", 2),
          ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2), ("zb-h2", 1), ("interleaved-zb", 2),
-         ("v-half", 2), ("v-min", 2)]
+         ("v-half", 2), ("v-min", 2), ("dualpipev", 2)]
 BUILT = ("gpipe", "1f1b", "zb-h1", "forward", "interleaved-1f1b")   # cheap to build: every m from 1 to 24
 
 
@@ -126,8 +126,12 @@ def _check_one(name: str, pp: int, m: int, v: int) -> None:
         validate(s)  # compile validated already; validating twice must be idempotent
     r = simulate(s, Costs(1.0, 2.0, 1.0, comm=0.5).per_chunk(v))
     n_compute = sum(1 for step in (x for prog in s.programs for x in prog) if step[0].kind.is_compute)
-    per_mb = 1 if name == "forward" else (3 if s.split_backward else 2)
-    assert n_compute == pp * v * m * per_mb
+    split = len(s.split_backwards())   # backwards with a W; any other B is a full backward
+    assert n_compute == pp * v * m * (1 if name == "forward" else 2) + split
+    if name in ("gpipe", "1f1b", "interleaved-1f1b", "forward"):
+        assert split == 0
+    elif name != "dualpipev":
+        assert split == pp * v * m   # zero-bubble schedules split every backward
     assert r.makespan > 0 and all(0.0 <= b < 1.0 for b in r.bubble)
     if name in SYNTHESISED:
         caps = synthesis_caps(name, pp, m, v)
@@ -162,9 +166,12 @@ def test_interleaved_suggests_distinct_valid_microbatches(pp: int, m: int, sugge
 
 
 # (schedule, pp, m, makespan, peak microbatches per position or None): unit costs per position's share
-# (f = b = w = 1, free comm); the first six are the figures computed from torch 2.14.1's own schedule IR
+# (f = b = w = 1, free comm); the first four are the figures computed from torch 2.14.1's own schedule IR.
+# DualPipeV's torch figures (without overlap) are 27.0 and 55.0: the same order, but here the F and the B of a
+# pair are two actions (the F need not wait for the B's gradient) and compile_schedule posts one transfer per step
 FIGURES = [("zbv", 4, 8, 25.5, 4.0), ("zbv", 8, 32, 99.5, 8.0), ("interleaved-zb", 8, 16, 51.5, None),
-           ("interleaved-1f1b", 8, 16, 58.5, 11.5), ("zb-h2", 8, 16, 55.0, None), ("zb-h2", 4, 8, 27.0, None),
+           ("interleaved-1f1b", 8, 16, 58.5, 11.5), ("dualpipev", 4, 8, 26.5, 4.5), ("dualpipev", 8, 16, 54.5, 8.5),
+           ("zb-h2", 8, 16, 55.0, None), ("zb-h2", 4, 8, 27.0, None),
            ("v-half", 4, 8, 28.0, 3.0), ("v-half", 8, 16, 62.5, 5.0), ("v-min", 4, 8, 35.0, 2.0),
            ("v-min", 8, 16, 66.5, 4.0)]
 
@@ -198,3 +205,27 @@ def test_a_local_hand_off_in_the_wrong_order_is_refused() -> None:
     bad = parse_schedule("# placement=v\nF0 F0.1 B0.1 B0\nF0.1 F0 B0 B0.1\n")   # position 1 runs stage 2 before 1
     with pytest.raises(ScheduleError, match=r"F0.1 runs before F0, whose result it takes on this position"):
         validate(bad)
+
+
+def test_a_b_without_its_w_is_the_full_backward() -> None:
+    """W is optional per backward: B0 has none (full: b + w, frees its activation), B1 is split (b, then W1)."""
+    s = parse_schedule("F0 B0 F1 B1 W1\n")
+    assert s.split_backwards() == {(0, 1, 0)}
+    r = simulate(s, Costs(1, 2, 3))
+    assert [(a, b) for a, b, _ in r.intervals[0]] == [(0, 1), (1, 6), (6, 7), (7, 9), (9, 12)]
+    assert r.peak_in_flight == [1]
+    validate(compile_schedule("dualpipev", 2, 4))
+
+
+def test_dualpipev_pairs_f_with_full_b_and_splits_at_the_ends() -> None:
+    s = build_schedule("dualpipev", 4, 8)
+    p0 = [str(a) for a in s.compute_actions(0)]
+    # warm-up: 6 chunk-0 F's, a pair, 3 x (split B, W, F) on chunk 1; steady: F0.0 with full B1, F1 with full B0.0
+    assert p0[:19] == ["F0", "F1", "F2", "F3", "F4", "F5", "F6", "F0.1", "B0.1", "W0.1", "F1.1", "B1.1", "W1.1",
+                       "F2.1", "B2.1", "W2.1", "F3.1", "F7", "B3.1"]
+    # drain: chunk-0 B's split from the middle of the last pairs on; every W after its B
+    assert p0[-10:] == ["B3", "B7.1", "B4", "W4", "B5", "W5", "B6", "W6", "B7", "W7"]
+    split = s.split_backwards()
+    full = sum(1 for p in range(4) for a in s.compute_actions(p) if a.kind.value == "B"
+               and (p, a.microbatch, a.chunk) not in split)
+    assert (len(split), full) == (22, 42)   # of 64 backwards, most are full
