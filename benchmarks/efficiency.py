@@ -56,13 +56,16 @@ def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[i
                             costs=Costs(*(x / v for x in t)))
     x = torch.randn(*act)
     peaks: dict[int, int] = {}
-    durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}   # this rank's action times
+    durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}   # this rank's action times (B: split ones)
+    split = engine.schedule.split_backwards()
 
     def step() -> None:
         res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
         peaks.update(res.peak_stored)
         for r in res.records:
-            if r.kind in durations:
+            full = r.kind == "B" and split and (engine.position, r.microbatch,
+                                                engine.schedule.placement(r.stage)[1]) not in split
+            if r.kind in durations and not full:   # a full B (of a schedule that also splits) is b + w
                 durations[r.kind].append(r.end - r.start)
 
     return {"engine": engine, "step": step, "peaks": peaks, "durations": durations}
@@ -74,14 +77,15 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
     rank = dist.get_rank()
     n = pp * v
     mods = sleep_layers(v, *(x / v for x in t))
-    index = [rank, 2 * pp - 1 - rank] if name == "zbv" else [rank + c * pp for c in range(v)]   # V or loop
+    v_shape = name in ("zbv", "dualpipev")
+    index = [rank, 2 * pp - 1 - rank] if v_shape else [rank + c * pp for c in range(v)]   # V or loop
     stages = [pipelining.PipelineStage(mods[c], index[c], n, torch.device("cpu"), input_args=(torch.randn(*act),))
               for c in range(v)]
     cls = getattr(pipelining, TORCH[name])
-    multi = name in ("interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv")   # these take a list of stages
+    multi = name in ("interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev")   # these take a list
     sched = cls(stages if multi else stages[0], n_microbatches=m, loss_fn=mean_loss)
     full = torch.randn(act[0] * m, act[1])
-    first, last = rank == 0, rank == (0 if name == "zbv" else (n - 1) % pp)
+    first, last = rank == 0, rank == (0 if v_shape else (n - 1) % pp)
 
     def step() -> None:
         kw: dict[str, Any] = {}
@@ -125,7 +129,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     ideal = simulate(sched, costs).makespan if sched is not None else float("nan")
     row: dict[str, Any] = {"schedule": name, "pp": pp, "microbatches": m, "chunks": v, "tf": t[0], "tb": t[1],
                            "tw": t[2], "act": list(act), "steps": steps, "ideal_s": ideal, "errors": errors}
-    actions_per_rank = m * v * (3 if sched is not None and sched.split_backward else 2)
+    actions_per_rank = m * v * 2 + (len(sched.split_backwards()) // pp if sched is not None else 0)
     for e, ts in times.items():
         med = statistics.median(ts)
         row[f"{e}_median_s"] = med

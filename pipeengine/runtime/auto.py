@@ -117,13 +117,12 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
                                  microbatches, chunks)
         caps = _caps_from_memory(choice, base, costs, memory_cap, state_factor, default)
         try:
-            order = synthesise("auto", pp, microbatches, chunks, placement, stage, caps)
+            sched = lower(synthesise("auto", pp, microbatches, chunks, placement, stage, caps), stage)
         except ValueError:   # the cap leaves too little room for this placement
             candidates[label] = None
             continue
-        lowered = [lower(order, stage, batch) for batch in (True, False)]   # as compile_schedule does
-        makespan, sched = min(((simulate(s, stage).makespan, s) for s in lowered), key=lambda ms: ms[0])
         validate(sched)
+        makespan = simulate(sched, stage).makespan
         candidates[label] = makespan
         results.append((makespan, label, sched, choice))
     if not results:

@@ -227,25 +227,18 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
     """Build, lower and validate: the exact program the engine runs.
 
     ``costs`` (per stage; default uniform f = b = w) order the communication: the schedule is
-    lowered with them (see :func:`lower`), once with comm batches and once one transfer per step, and
-    the faster in simulation with them kept (ties: batched). For zb-h1 both W orderings are tried too
-    (ties go to the paper's H1).
+    lowered with them (see :func:`lower`). For zb-h1 both W orderings are lowered and simulated
+    with them and the faster one kept (ties go to the paper's H1).
     """
-    built = [build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs)]
+    lowered = lower(build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs), costs)
+    validate(lowered)
     if name == "zb-h1":
-        built.append(build_schedule(name, pp, microbatches, chunks, lag_w=False))
-    best: tuple[float, Schedule] | None = None
-    for schedule in built:
-        for batch in (True, False):
-            lowered = lower(schedule, costs, batch)
-            validate(lowered)
-            if name == "forward":
-                return lowered
-            makespan = simulate(lowered, costs or Costs()).makespan
-            if best is None or makespan < best[0]:
-                best = (makespan, lowered)
-    assert best is not None
-    return best[1]
+        alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False), costs)
+        validate(alt)
+        c = costs or Costs()
+        if simulate(alt, c).makespan < simulate(lowered, c).makespan:
+            return alt
+    return lowered
 
 
 def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int | None = None,

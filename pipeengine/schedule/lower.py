@@ -12,9 +12,7 @@ equal time and tier transfers sort first. The tier only matters for zero costs: 
 of duration 0 ends one tier after it starts, so its sends still sort after it and its
 consumers after them (with positive costs every tier is 0).
 Every position's program is its events sorted by key, and comm events with no compute between
-them are posted as one batch (``batch=False``: one by one; a batch completes as a unit, so a send
-its peer takes late holds up a recv joined with it, and :func:`compile_schedule` keeps whichever
-simulates faster). Because both ends of a link sort the same keys, both post the
+them are posted as one batch. Because both ends of a link sort the same keys, both post the
 link's ops in the same sequence (paired order), and a recv always precedes its consumer,
 a send always follows its producer. The result is then *checked*, not trusted: the validator
 (verify.py) re-derives the pairing and runs the rendezvous simulator, in which a batch completes
@@ -111,13 +109,12 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
     return times
 
 
-def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, batch: bool = True) -> Schedule:
-    """Insert paired send/recv steps into a compute-only schedule (see the module note).
+def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> Schedule:
+    """Insert paired, batched send/recv steps into a compute-only schedule (see the module note).
 
     The order comes from a witness execution with ``costs`` (one Costs for all stages, one per
     position or one per stage, as for ``simulate``); None means unit costs. Lower with the costs you will run
-    with: the order of transfers, and so the makespan, depends on them. ``batch``: comm actions with no
-    compute between them form one step (posted together), else each is a step of its own.
+    with: the order of transfers, and so the makespan, depends on them.
     """
     if schedule.lowered:
         return schedule
@@ -131,15 +128,12 @@ def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, batc
                 key = (*end, 0, int(a.kind is Kind.B), schedule.stage(p, a.chunk), a.microbatch)
                 events[p].append((key, send))
                 events[q].append((key, recv))
-    programs = [_batched([a for _, a in sorted(evs, key=lambda e: e[0])], batch) for evs in events]
+    programs = [_batched([a for _, a in sorted(evs, key=lambda e: e[0])]) for evs in events]
     return replace(schedule, programs=_add_headers(schedule, programs), lowered=True)
 
 
-def _batched(actions: list[Action], together: bool) -> list[Step]:
-    """Each compute action a step of its own; comm actions with no compute between them one batch (``together``)
-    or one step each."""
-    if not together:
-        return [(a,) for a in actions]
+def _batched(actions: list[Action]) -> list[Step]:
+    """Each compute action a step of its own; comm actions with no compute between them one batch."""
     prog: list[Step] = []
     batch: list[Action] = []
     for a in actions:
