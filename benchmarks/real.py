@@ -11,12 +11,12 @@ variant, the order rotated by one each round (so no variant always follows the s
 barrier before and after each step; the figure is the median step over the timed rounds (one
 warm-up round left out), as examples (images, or tokens for GPT) per second. Variants:
 
-- ours with ``partition="profile"`` (1f1b, zb-h1, zbv, and auto: the schedule chosen with the split),
+- ours with ``partition="profile"`` (1f1b, zb-h1, zbv, dualpipev, and auto: the schedule chosen with the split),
   ``"parameters"`` and ``"uniform"`` (1f1b);
   "uniform" is the equal-layer split a torch.distributed.pipelining user writes;
 - torch.distributed.pipelining with that equal split: ``Schedule1F1B``,
-  ``ScheduleInterleavedZeroBubble`` (one stage per rank) and ``ScheduleZBVZeroBubble`` (2 pp equal
-  stages in V placement);
+  ``ScheduleInterleavedZeroBubble`` (one stage per rank), ``ScheduleZBVZeroBubble`` and
+  ``ScheduleDualPipeV`` (2 pp equal stages in V placement);
 - with dp = 1 and pp = 2: the single-process model with gradient accumulation over the same
   microbatches (rank 0; rank 1 waits), and the machine bound: both halves of the profile split
   running at once without communication, giving ``single / (slow + fast / m)``, the throughput of a
@@ -86,14 +86,14 @@ def theirs(mod: Any, mcfg: Any, pp: int, m: int, data: list[Any], schedule: str)
     from torch.distributed import pipelining
     rank = dist.get_rank()
     factories = mod.layer_factories(mcfg)
-    v = 2 if schedule == "zbv" else 1   # ZBV: 2 pp equal stages, rank r runs stages r and 2 pp - 1 - r
+    v = 2 if schedule in ("zbv", "dualpipev") else 1   # V: 2 pp equal stages, rank r runs r and 2 pp - 1 - r
     bounds = split_bounds(factories, pp * v, "uniform")
     mine = [rank, 2 * pp - 1 - rank] if v == 2 else [rank]
     modules = [nn.Sequential(*[build_layer(factories[i], i, 0) for i in range(bounds[s], bounds[s + 1])])
                for s in mine]
     stages = [pipelining.PipelineStage(mo, s, pp * v, torch.device("cpu")) for mo, s in zip(modules, mine)]
     cls = {"1f1b": pipelining.Schedule1F1B, "zb": pipelining.ScheduleInterleavedZeroBubble,
-           "zbv": pipelining.ScheduleZBVZeroBubble}[schedule]
+           "zbv": pipelining.ScheduleZBVZeroBubble, "dualpipev": pipelining.ScheduleDualPipeV}[schedule]
     sched = cls(stages if schedule != "1f1b" else stages[0], n_microbatches=m, loss_fn=mod.loss_fn)
     opt = _opt([p for mo in modules for p in mo.parameters()])
     x = torch.cat([d[0] for d in data])
@@ -162,7 +162,8 @@ def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
     variants: dict[str, Callable[[], Any]] = {}
     engines: dict[str, PipelineEngine] = {}
     t0 = time.perf_counter()
-    for schedule in ("1f1b", "zb-h1", "zbv", "auto"):
+    profiled = ("1f1b", "zb-h1", "zbv", "dualpipev", "auto")
+    for schedule in profiled:
         name = f"ours profile {schedule}"
         variants[name], engines[name] = ours(mod, mcfg, topo, m, data, schedule, "profile", bucket_mb=bucket_mb)
     profile_s = time.perf_counter() - t0
@@ -173,6 +174,7 @@ def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
         variants["torch 1F1B (uniform)"] = theirs(mod, mcfg, pp, m, data, "1f1b")
         variants["torch ZB (uniform)"] = theirs(mod, mcfg, pp, m, data, "zb")
         variants["torch ZBV (uniform)"] = theirs(mod, mcfg, pp, m, data, "zbv")
+        variants["torch DualPipeV (uniform)"] = theirs(mod, mcfg, pp, m, data, "dualpipev")
     else:
         name = "ours uniform 1f1b, all-reduce after backward"   # the twin of "ours uniform 1f1b"
         variants[name], engines[name] = ours(mod, mcfg, topo, m, data, "1f1b", "uniform", overlap=False,
@@ -206,7 +208,7 @@ def run_config(model: str, preset: str, pp: int, m: int, mbs: int, rounds: int,
     unit = "tokens/s" if model == "gpt" else "images/s"
     row: dict[str, Any] = {"model": f"{model}/{preset}", "world": world, "pp": pp, "dp": topo.dp,
                            "microbatches": m, "micro_batch_size": mbs, "rounds": rounds, "unit": unit,
-                           "profile_s": profile_s / 2, "step_s": med, "times": times,
+                           "profile_s": profile_s / len(profiled), "step_s": med, "times": times,
                            "throughput": {n: per_step / t for n, t in med.items() if n != "halves at once"},
                            "bounds": {n: e.bounds for n, e in engines.items()}}
     ref = "torch 1F1B (uniform)"

@@ -112,9 +112,10 @@ def test_real_models_smoke(tmp_path: Path) -> None:
                           text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    variants = {"ours profile 1f1b", "ours profile zb-h1", "ours profile zbv", "ours profile auto",
-                "ours parameters 1f1b", "ours uniform 1f1b", "torch 1F1B (uniform)", "torch ZB (uniform)",
-                "torch ZBV (uniform)", "single process (accumulation)"}
+    variants = {"ours profile 1f1b", "ours profile zb-h1", "ours profile zbv", "ours profile dualpipev",
+                "ours profile auto", "ours parameters 1f1b", "ours uniform 1f1b", "torch 1F1B (uniform)",
+                "torch ZB (uniform)", "torch ZBV (uniform)", "torch DualPipeV (uniform)",
+                "single process (accumulation)"}
     assert set(row["throughput"]) == variants | {"machine bound"}
     assert all(len(row["times"][v]) == 2 for v in variants | {"halves at once"})
     assert row["vs_torch"]["torch 1F1B (uniform)"] == 1.0 and set(row["vs_torch"]) == variants
