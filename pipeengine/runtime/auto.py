@@ -7,7 +7,7 @@ the measured per-stage costs, under the memory cap turned into chunk activations
 shortest simulated makespan wins, so auto is never slower in simulation than the best library
 schedule under the same cap. It also reports a lower bound no schedule can beat: the larger of the
 busiest position's work and the critical path of one microbatch (every F, then every B, with the
-transfers between positions), and the gap to it.
+transfers between positions), and the gap to it; and a tighter one that adds the fill (:func:`fill_bound`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..schedule.simulate import in_flight_peaks
 from ..schedule.synth import synthesise
 from .planner import Choice, LayerCost, PartitionError, choose_bounds, position_sizes
 
-__all__ = ["AutoChoice", "auto_schedule", "lower_bound", "LIBRARY"]
+__all__ = ["AutoChoice", "auto_schedule", "lower_bound", "fill_bound", "LIBRARY"]
 
 SEARCH_BUDGET = 600   # splits scored per library schedule (the planner's own default is 2,000)
 # (name, chunks): the library auto compares against
@@ -43,10 +43,15 @@ class AutoChoice:
     bound: float
     memory: list[float]   # estimated peak bytes per position (as the planner estimates them)
     candidates: dict[str, float | None] = field(default_factory=dict)
+    fill: float = 0.0     # fill_bound: >= bound, still below every schedule of this split and placement
 
     @property
     def gap(self) -> float:
         return self.makespan / self.bound if self.bound > 0 else 1.0
+
+    @property
+    def fill_gap(self) -> float:
+        return self.makespan / self.fill if self.fill > 0 else 1.0
 
     def best_library(self) -> tuple[str, float] | None:
         lib = [(t, name) for name, t in self.candidates.items() if t is not None and not name.startswith("synth")]
@@ -56,7 +61,7 @@ class AutoChoice:
         lines = [f"schedule auto: {self.schedule.name} (chunks {self.schedule.chunks}, placement "
                  f"{self.schedule.placement_kind}), bounds {self.bounds}",
                  f"  simulated step {1e3 * self.makespan:.2f} ms, lower bound {1e3 * self.bound:.2f} ms "
-                 f"(gap {self.gap:.3f}x)"]
+                 f"(gap {self.gap:.3f}x); with the fill {1e3 * self.fill:.2f} ms (gap {self.fill_gap:.3f}x)"]
         for name, t in self.candidates.items():
             lines.append(f"  {name:<28} " + ("does not fit / apply" if t is None else f"{1e3 * t:.2f} ms"))
         return "\n".join(lines)
@@ -71,6 +76,32 @@ def lower_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Sch
     hops = sum(1 for s in range(len(stage_costs) - 1) if schedule.placement(s)[0] != schedule.placement(s + 1)[0])
     path = sum(f + b for f, b, _ in stage_costs) + 2 * hops * comm + stage_costs[0][2]   # then W of stage 0
     return max(max(work), path)
+
+
+def fill_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule, microbatches: int,
+               comm: float = 0.0) -> float:
+    """:func:`lower_bound`, raised by what every position must wait for, whatever the order (a step bound).
+
+    Nothing runs on position p before microbatch 0's forward reaches its lowest stage s (head: F of the
+    stages below, plus a transfer per hop), so the step lasts at least head + p's work. And p's last B (of
+    one of its stages, s) comes after all its F's and B's (a W may come later, nothing else), and is followed
+    by the B's of the stages below s for that microbatch, one after another: head + p's F and B work + the
+    least such chain over p's stages.
+    """
+    n = len(stage_costs)
+    where = [schedule.placement(s)[0] for s in range(n)]
+    reach = [0.0] * n   # when stage s's first F may start, at the earliest
+    for s in range(1, n):
+        reach[s] = reach[s - 1] + stage_costs[s - 1][0] + (comm if where[s] != where[s - 1] else 0.0)
+    below = [sum(b for _, b, _ in stage_costs[:s]) for s in range(n)]   # B chain under stage s
+    best = lower_bound(stage_costs, schedule, microbatches, comm)
+    for p in range(schedule.pp):
+        mine = [s for s in range(n) if where[s] == p]
+        head = min(reach[s] for s in mine)
+        fb = microbatches * sum(stage_costs[s][0] + stage_costs[s][1] for s in mine)
+        w = microbatches * sum(stage_costs[s][2] for s in mine)
+        best = max(best, head + fb + w, head + fb + min(below[s] for s in mine))
+    return best
 
 
 def _memory(bounds: Sequence[int], schedule: Schedule, costs: Sequence[LayerCost], state_factor: float) -> list[float]:
@@ -132,4 +163,5 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
     makespan, _, sched, choice = min(results, key=lambda r: (r[0], r[1]))
     bound = lower_bound(choice.stage_costs, sched, microbatches, comm)
     return AutoChoice(sched, list(choice.bounds), list(choice.stage_costs), makespan, bound,
-                      _memory(choice.bounds, sched, costs, state_factor), candidates)
+                      _memory(choice.bounds, sched, costs, state_factor), candidates,
+                      fill_bound(choice.stage_costs, sched, microbatches, comm))

@@ -75,5 +75,5 @@ def profile_report(model: str, preset: str | None, pp: int, microbatches: int, m
           f"{simulate(auto.schedule, [Costs(*c) for c in auto.stage_costs]).mean_bubble:7.3f} {peaks:>15} "
           f"{' '.join(f'{m / 2**30:.2f}' for m in auto.memory):>24}")
     print(f"\nauto: lower bound {1e3 * auto.bound:.1f} ms (the busiest position's work or one microbatch's critical "
-          f"path), gap {auto.gap:.3f}x")
+          f"path), gap {auto.gap:.3f}x; with the fill {1e3 * auto.fill:.1f} ms, gap {auto.fill_gap:.3f}x")
     return 0

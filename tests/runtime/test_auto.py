@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.planner import profile_costs
-from pipeengine.runtime.auto import LIBRARY, auto_schedule, lower_bound
+from pipeengine.runtime.auto import LIBRARY, auto_schedule, fill_bound, lower_bound
 from pipeengine.runtime.planner import LayerCost, PartitionError
-from pipeengine.schedule import Costs, simulate, validate
+from pipeengine.schedule import Costs, compile_schedule, simulate, validate
 
 
 @pytest.mark.parametrize("profile", ["uniform 48", "head x6, 48", "MoE-like alternating x1/x2, 48"])
@@ -23,6 +23,25 @@ def test_auto_is_never_slower_than_the_library_and_never_below_its_bound(profile
     assert choice.bound <= choice.makespan and choice.gap >= 1.0
     assert choice.bound == lower_bound(choice.stage_costs, choice.schedule, 8)
     assert "lower bound" in choice.describe()
+    assert choice.bound <= choice.fill <= choice.makespan and choice.fill_gap <= choice.gap
+
+
+@pytest.mark.parametrize("profile", ["head x6, 48", "random +-50% #1, 82", "one huge layer (x10) first, 82"])
+def test_the_fill_bound_is_below_every_schedule_of_its_split_and_tight_for_zbv_and_zb_h2(profile: str) -> None:
+    costs = profile_costs(profile)
+    for name, chunks in LIBRARY:
+        sched = compile_schedule(name, 4, 8, chunks)
+        n = sched.num_stages
+        bounds = [round(k * len(costs) / n) for k in range(n + 1)]   # an equal-count split
+        stage = [tuple(sum(c.phases(True)[k] for c in costs[a:z]) for k in range(3))
+                 for a, z in zip(bounds, bounds[1:])]
+        makespan = simulate(sched, [Costs(*c, comm=0.1) for c in stage]).makespan
+        assert lower_bound(stage, sched, 8, 0.1) <= fill_bound(stage, sched, 8, 0.1) <= makespan + 1e-9, name
+    for name, pp, m, want in (("zbv", 8, 32, 99.5), ("zb-h2", 8, 16, 55.0), ("zb-h1", 4, 8, 27.0)):
+        sched = compile_schedule(name, pp, m)
+        unit = Costs().per_chunk(sched.chunks)
+        stage = [(unit.f, unit.b, unit.w)] * sched.num_stages
+        assert lower_bound(stage, sched, m) < fill_bound(stage, sched, m) == simulate(sched, unit).makespan == want
 
 
 def test_auto_keeps_under_the_memory_cap() -> None:
