@@ -36,6 +36,7 @@ from benchmarks.sleep_stages import sleep_layers
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.topology import Topology
 from pipeengine.schedule import Costs
+from pipeengine.schedule.builders import default_chunks
 
 
 def _median_us(values: list[float]) -> str:
@@ -101,10 +102,11 @@ def engine_profile(schedule: str, m: int, steps: int) -> tuple[Records, list[flo
     """Every rank's records of ``steps`` measured steps, as (kind, microbatch, start, end) on one clock,
     and this rank's Python time before the first op of each comm batch."""
     world = dist.get_world_size()
-    t = 0.010
-    engine = PipelineEngine(sleep_layers(world, t, t, t), lambda out, _: out.sum(),
+    v = default_chunks(schedule)   # stages per rank: each sleeps 1/v of the times, as in efficiency.py
+    t = 0.010 / v
+    engine = PipelineEngine(sleep_layers(world * v, t, t, t), lambda out, _: out.sum(),
                             lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(world, 1), schedule=schedule,
-                            microbatches=m, partition=list(range(world + 1)), costs=Costs(t, t, t))
+                            microbatches=m, chunks=v, partition=list(range(world * v + 1)), costs=Costs(t, t, t))
     x = torch.randn(8, 1024)
     mine = []
     delays: list[float] = []
