@@ -40,7 +40,7 @@ from benchmarks.sleep_stages import sleep_layers
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.topology import Topology
 from pipeengine.schedule import Costs, simulate
-from pipeengine.schedule.builders import default_chunks
+from pipeengine.schedule.builders import PLACEMENT, default_chunks
 
 # ours -> torch.distributed.pipelining's schedule for the same work (zb-h1: torch's interleaved ZB on one stage)
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
@@ -77,7 +77,7 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
     rank = dist.get_rank()
     n = pp * v
     mods = sleep_layers(v, *(x / v for x in t))
-    v_shape = name in ("zbv", "dualpipev")
+    v_shape = PLACEMENT.get(name) == "v"
     index = [rank, 2 * pp - 1 - rank] if v_shape else [rank + c * pp for c in range(v)]   # V or loop
     stages = [pipelining.PipelineStage(mods[c], index[c], n, torch.device("cpu"), input_args=(torch.randn(*act),))
               for c in range(v)]

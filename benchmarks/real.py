@@ -55,6 +55,7 @@ from pipeengine.runtime.hostalloc import keep_freed_memory
 from pipeengine.runtime.layers import build_layer, build_layers
 from pipeengine.runtime.planner import partition as split_bounds
 from pipeengine.runtime.topology import Topology
+from pipeengine.schedule.builders import PLACEMENT
 from pipeengine.training.data import batches
 
 # (model, preset, processes, pp, microbatches, micro batch size, timed rounds)
@@ -86,7 +87,7 @@ def theirs(mod: Any, mcfg: Any, pp: int, m: int, data: list[Any], schedule: str)
     from torch.distributed import pipelining
     rank = dist.get_rank()
     factories = mod.layer_factories(mcfg)
-    v = 2 if schedule in ("zbv", "dualpipev") else 1   # V: 2 pp equal stages, rank r runs r and 2 pp - 1 - r
+    v = 2 if PLACEMENT.get(schedule) == "v" else 1   # V: 2 pp equal stages, rank r runs r and 2 pp - 1 - r
     bounds = split_bounds(factories, pp * v, "uniform")
     mine = [rank, 2 * pp - 1 - rank] if v == 2 else [rank]
     modules = [nn.Sequential(*[build_layer(factories[i], i, 0) for i in range(bounds[s], bounds[s + 1])])

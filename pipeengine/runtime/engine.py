@@ -119,14 +119,14 @@ class PipelineEngine:
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
         self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
-        self._split = {(mb, c) for p, mb, c in self.schedule.split_backwards() if p == self.position}   # B then W
+        self._split = self.schedule.split_backwards()   # (position, microbatch, chunk) whose B is followed by a W
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
         self._last_backward = backward[-1] if backward else -1
         # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
         self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
-                                        self._split)
+                                        lambda a: self.schedule.releases(self.position, a, self._split))
                         if self.grad_sync.overlap and self.topology.dp > 1 else {})
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self.loss_scale = LossScale(precision == "fp16")
@@ -383,7 +383,7 @@ class PipelineEngine:
             grads = (None if stage.is_last
                      else self._receive(state, Kind.RECV_B, a, stage.index, stage.index + 1))
             start = self.clock.mark()
-            input_grads = stage.backward(mb, grads, (mb, a.chunk) in self._split)
+            input_grads = stage.backward(mb, grads, (self.position, mb, a.chunk) in self._split)
             if not stage.is_first:
                 self._pass_on(state, Kind.B, a, input_grads, stage.index - 1)
         elif a.kind is Kind.W:

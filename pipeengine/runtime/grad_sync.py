@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule import Kind, Step
+from ..schedule import Action, Step
 from .faults import Watch
 
 __all__ = ["GradSync", "final_gradients", "broadcast_buffers", "clip_grad_norm"]
@@ -209,12 +209,11 @@ def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float | None, norm:
 
 
 def final_gradients(program: Sequence[Step], chunk_params: Sequence[Sequence[nn.Parameter]],
-                    split: Collection[tuple[int, int]]) -> dict[int, list[nn.Parameter]]:
+                    ends_backward: Callable[[Action], bool]) -> dict[int, list[nn.Parameter]]:
     """Program index -> the parameters whose last gradient of the step that action accumulates: the
-    stage's last W or full B (``split``: the (microbatch, chunk) whose backward is split into B and W);
-    a parameter shared by stages, the later one."""
-    last = {st[0].chunk: i for i, st in enumerate(program)
-            if st[0].kind is Kind.W or (st[0].kind is Kind.B and (st[0].microbatch, st[0].chunk) not in split)}
+    stage's last action that ends a backward (``ends_backward``: a W, or a full B, see
+    ``Schedule.releases``); a parameter shared by stages, the later one."""
+    last = {st[0].chunk: i for i, st in enumerate(program) if ends_backward(st[0])}
     final: dict[int, tuple[int, nn.Parameter]] = {}   # id(param) -> (program index, param)
     for c, params in enumerate(chunk_params):
         for p in params:

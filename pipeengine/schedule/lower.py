@@ -48,7 +48,7 @@ def _ticks(schedule: Schedule, costs: Costs | Sequence[Costs] | None) -> list[li
     under the key None a full backward's B (b + w) (see :func:`witness_times`)."""
     kinds: tuple[Kind | None, ...] = (Kind.F, Kind.B, Kind.W, None)
     table = per_stage(Costs() if costs is None else costs, schedule)
-    durations = [[[c.f, c.b, c.w, c.b + c.w] for c in row] for row in table]
+    durations = [[[c.f, c.b, c.w, c.of(Kind.B, split=False)] for c in row] for row in table]
     unit = max([d for row in durations for st in row for d in st if d > 0], default=1.0)
     exact = [[[Fraction(d / unit).limit_denominator(10**6) for d in st] for st in row] for row in durations]
     per_tick = lcm(*(x.denominator for row in exact for st in row for x in st))

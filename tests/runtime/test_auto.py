@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.planner import profile_costs
+from benchmarks.planner import profile_costs, stage_costs
 from pipeengine.runtime.auto import LIBRARY, auto_schedule, fill_bound, lower_bound
 from pipeengine.runtime.planner import LayerCost, PartitionError
 from pipeengine.schedule import Costs, compile_schedule, simulate, validate
@@ -33,8 +33,7 @@ def test_the_fill_bound_is_below_every_schedule_of_its_split_and_tight_for_zbv_a
         sched = compile_schedule(name, 4, 8, chunks)
         n = sched.num_stages
         bounds = [round(k * len(costs) / n) for k in range(n + 1)]   # an equal-count split
-        stage = [tuple(sum(c.phases(True)[k] for c in costs[a:z]) for k in range(3))
-                 for a, z in zip(bounds, bounds[1:])]
+        stage = [(c.f, c.b, c.w) for c in stage_costs(costs, sched, bounds)]
         makespan = simulate(sched, [Costs(*c, comm=0.1) for c in stage]).makespan
         assert lower_bound(stage, sched, 8, 0.1) <= fill_bound(stage, sched, 8, 0.1) <= makespan + 1e-9, name
     for name, pp, m, want in (("zbv", 8, 32, 99.5), ("zb-h2", 8, 16, 55.0), ("zb-h1", 4, 8, 27.0)):
