@@ -391,10 +391,10 @@ class PipelineEngine:
             stage.backward_weight(mb)
         else:
             start = self.clock.mark()
-            if self.wire.settle():   # the proof's completions before this step: timed as waiting
+            if self.wire.settle(state.computed):   # the proof's completions before this step: timed as waiting
                 self.clock.add(stage.index, Phase.WAIT, mb, start, self.clock.mark())
                 start = self.clock.mark()
-            self.wire.post(step)
-        phase = Phase(a.kind.value) if a.kind.is_compute else Phase.COMM
-        self.clock.add(stage.index, phase, mb, start, self.clock.mark())
+            self.wire.post(step, state.computed)
+        state.computed = a.kind.is_compute
+        self.clock.add(stage.index, Phase(a.kind.value) if state.computed else Phase.COMM, mb, start, self.clock.mark())
         self.wire.poll()

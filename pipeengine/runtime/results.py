@@ -36,3 +36,4 @@ class StepState:
     inputs: list[Any]
     targets: list[Any]
     local: dict[tuple[Kind, int, int], Any] = field(default_factory=dict)  # pp = 1: stage output -> next stage
+    computed: bool = True   # the last step run was a compute action (or none ran yet): see Wire.settle

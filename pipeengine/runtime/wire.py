@@ -204,10 +204,10 @@ class Wire:
             metas = tuple(m for m in self._sent[stage][2] if m.dtype.is_floating_point)
         return tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
 
-    def post(self, step: Step) -> None:
-        """Post one comm step (sends first, then receives, each in program order), after ``settle()``.
+    def post(self, step: Step, after_compute: bool = True) -> None:
+        """Post one comm step (sends first, then receives, each in program order), after ``settle(after_compute)``.
         It waits only for a header step's header ([Note: the wire is the program])."""
-        self.settle()
+        self.settle(after_compute)
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
@@ -231,10 +231,13 @@ class Wire:
                 values = self._watch().host_values(tr.tensors[0], (tr.action,), [tr.rank], error=P2PTimeout)
                 self._streams[self.stage_of(tr.action.chunk) - 1] = decode_header(values)
 
-    def settle(self) -> bool:
+    def settle(self, after_compute: bool = True) -> bool:
         """Complete what the proven program completes before the next comm step: Gloo's earlier sends
-        ([Note: buffer lifetimes]), strict mode's last step ([Note: modes]). Whether it had to wait."""
-        pending = [tr for tr in self._last_step + ([] if self.coalesce else self._sends) if not tr.done]
+        ([Note: buffer lifetimes]; not when the step follows another comm step, ``after_compute`` False: the
+        sends of comm steps with no compute between them are held together, as if one batch), strict mode's
+        last step ([Note: modes]). Whether it had to wait."""
+        sends = [] if self.coalesce or not after_compute else self._sends
+        pending = [tr for tr in self._last_step + sends if not tr.done]
         for tr in pending:
             self._complete(tr)
         self._last_step = []   # (the completed sends are dropped by the next poll())

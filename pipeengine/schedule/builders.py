@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .actions import Action, Kind, Schedule, steps_of
+from .actions import Action, Kind, Schedule, ScheduleError, steps_of
 from .costs import Costs
 from .lower import lower
 from .simulate import simulate
@@ -227,18 +227,36 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
     """Build, lower and validate: the exact program the engine runs.
 
     ``costs`` (per stage; default uniform f = b = w) order the communication: the schedule is
-    lowered with them (see :func:`lower`). For zb-h1 both W orderings are lowered and simulated
-    with them and the faster one kept (ties go to the paper's H1).
+    lowered with them (see :func:`lower`). Where variants differ they are simulated with those costs and the
+    fastest valid one kept, ties going to the usual one: batches of one witness time besides the usual batches
+    (lower.py, [Note: batches by time]); for zb-h1 also the W ordering that is not the paper's H1.
     """
-    lowered = lower(build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs), costs)
-    validate(lowered)
+    builds = [build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs)]
     if name == "zb-h1":
-        alt = lower(build_schedule(name, pp, microbatches, chunks, lag_w=False), costs)
-        validate(alt)
+        builds.append(build_schedule(name, pp, microbatches, chunks, lag_w=False))
+    variants: list[Schedule] = []
+    for built in builds:
+        variants.append(lower(built, costs))
+        by_time = lower(built, costs, by_time=True)
+        if by_time.programs != variants[-1].programs:
+            variants.append(by_time)
+    if len(variants) > 1:
         c = costs or Costs()
-        if simulate(alt, c).makespan < simulate(lowered, c).makespan:
-            return alt
-    return lowered
+
+        def makespan(v: Schedule) -> float:
+            try:
+                return simulate(v, c).makespan
+            except ScheduleError:   # deadlocks: left for validate to explain if it is the only one
+                return float("inf")
+        variants.sort(key=makespan)   # stable: ties keep the order above
+    for v in variants[:-1]:
+        try:
+            validate(v)
+            return v
+        except ScheduleError:   # a split batch can close a cycle the usual batch does not: try the next
+            continue
+    validate(variants[-1])
+    return variants[-1]
 
 
 def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int | None = None,

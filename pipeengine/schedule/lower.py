@@ -25,6 +25,17 @@ Worked example, 1F1B with pp=2, m=2 (position 1 is the last stage)::
     position 1 | recvF0<0 F0 B0 sendB0>0+recvF1<0 F1 B1 sendB1>0
 
 On link (0, 1) both positions post F0, F1, B0, B1 in that order.
+
+[Note: batches by time]
+A batch completes as a whole on NCCL (grouped ops), so a batch that joins a transfer due early with one
+due late holds the early one back, and on a position's one in-order stream everything queued behind it.
+In dualpipev, position 1 above would post ``sendB0>0+recvF1<0`` as one batch even when F1 is sent long
+after B0. ``lower(..., by_time=True)`` cuts batches where the witness time changes: a batch holds only
+transfers made at one time. Both ends still post each link's ops in the same order (the keys are the
+same), so the pairing holds; the validator proves it again. ``compile_schedule`` lowers both ways and
+keeps the shorter in simulation (ties: the usual batches, fewer steps): dualpipev pp 4 m 8 takes 26.5
+instead of 27.5 with unit costs; 1F1B, ZB and ZBV are unchanged. On Gloo the extra steps cost nothing
+because a comm step right after another does not first wait for the earlier sends (``Wire.settle``).
 """
 
 from __future__ import annotations
@@ -109,12 +120,13 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
     return times
 
 
-def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> Schedule:
+def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, by_time: bool = False) -> Schedule:
     """Insert paired, batched send/recv steps into a compute-only schedule (see the module note).
 
     The order comes from a witness execution with ``costs`` (one Costs for all stages, one per
     position or one per stage, as for ``simulate``); None means unit costs. Lower with the costs you will run
-    with: the order of transfers, and so the makespan, depends on them.
+    with: the order of transfers, and so the makespan, depends on them. ``by_time``: a batch holds only
+    transfers of one witness time (see [Note: batches by time]).
     """
     if schedule.lowered:
         return schedule
@@ -128,22 +140,26 @@ def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> S
                 key = (*end, 0, int(a.kind is Kind.B), schedule.stage(p, a.chunk), a.microbatch)
                 events[p].append((key, send))
                 events[q].append((key, recv))
-    programs = [_batched([a for _, a in sorted(evs, key=lambda e: e[0])]) for evs in events]
+    programs = [_batched(sorted(evs, key=lambda e: e[0]), by_time) for evs in events]
     return replace(schedule, programs=_add_headers(schedule, programs), lowered=True)
 
 
-def _batched(actions: list[Action]) -> list[Step]:
-    """Each compute action a step of its own; comm actions with no compute between them one batch."""
+def _batched(events: list[tuple[tuple[int, ...], Action]], by_time: bool) -> list[Step]:
+    """Each compute action a step of its own; comm actions with no compute between them one batch (``by_time``:
+    and of one witness time)."""
     prog: list[Step] = []
     batch: list[Action] = []
-    for a in actions:
-        if a.kind.is_compute:
+    when: tuple[int, ...] = ()
+    for key, a in events:
+        if a.kind.is_compute or (by_time and batch and key[:2] != when):
             if batch:
                 prog.append(tuple(batch))
                 batch = []
+        if a.kind.is_compute:
             prog.append((a,))
         else:
             batch.append(a)
+            when = key[:2]
     if batch:
         prog.append(tuple(batch))
     return prog

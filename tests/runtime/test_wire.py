@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,33 @@ def test_tag_space_overflow_is_an_error_not_a_wrap() -> None:
     with pytest.raises(ValueError, match=r"need tags up to .* beyond Gloo's 16777216; .* 'strict' wire mode"):
         Wire(torch.device("cpu"), lambda p: p, lambda c: c, 64, 6000, mode="tags", coalesce=False)
     Wire(torch.device("cpu"), lambda p: p, lambda c: c, 64, 6000, mode="strict", coalesce=False)  # one tag
+
+
+@pytest.mark.parametrize("mode", ["tags", "strict", "coalesced"])
+def test_settle_waits_for_gloo_sends_only_after_a_compute_and_for_strict_modes_last_step_always(mode: str) -> None:
+    """Sends of comm steps with no compute between them are held together, as one batch would hold them."""
+    wire = Wire(torch.device("cpu"), lambda p: p, lambda c: 0, 2, 4, mode="strict" if mode == "coalesced" else mode,
+                coalesce=mode == "coalesced")
+    waited: list[str] = []
+
+    def complete(tr: Any) -> None:   # as Wire._complete, without a process group
+        if not tr.done:
+            waited.append(str(tr.action))
+            tr.done = True
+    wire._complete = complete   # type: ignore[method-assign]
+    for after_compute in (False, True):
+        send, recv = wire_transfer("sendF0>1"), wire_transfer("recvB0<1")
+        wire._sends = [send]   # what post() leaves: every send; the whole last step only in strict mode
+        wire._last_step = [send, recv] if mode == "strict" else []
+        waited.clear()
+        had_to_wait = wire.settle(after_compute)
+        want = {"strict": ["sendF0>1", "recvB0<1"], "tags": ["sendF0>1"] if after_compute else [], "coalesced": []}
+        assert (waited, had_to_wait) == (want[mode], bool(want[mode])), after_compute
+
+
+def wire_transfer(text: str) -> Any:
+    from pipeengine.runtime.wire import _Transfer
+    return _Transfer(A(text), 1, (torch.zeros(1),))
 
 
 def A(text: str) -> Action:

@@ -6,8 +6,10 @@ import itertools
 
 import pytest
 
-from pipeengine.schedule import (Costs, DeadlockError, build_schedule, compile_schedule, format_schedule, lower,
-                                 parse_schedule, simulate, validate)
+from pipeengine.schedule import (Costs, DeadlockError, Kind, build_schedule, compile_schedule, format_schedule,
+                                 lower, parse_schedule, simulate, validate)
+from pipeengine.schedule.dataflow import transfers
+from pipeengine.schedule.lower import witness_times
 from tests.schedule.test_builders import SWEEP
 
 
@@ -80,3 +82,25 @@ def test_lower_accepts_per_position_costs() -> None:
     assert lowered.programs != lower(s).programs
     with pytest.raises(ValueError, match="got 2 per-position costs for pp=4"):
         lower(s, [Costs(), Costs()])
+
+
+def test_batches_by_time_hold_one_witness_time_and_compile_keeps_the_shorter() -> None:
+    """[Note: batches by time]: dualpipev's usual batches join a B's gradient with a later forward input."""
+    c = Costs().per_chunk(2)   # f = b = w = 1 per position's share, as in the figures
+    built = build_schedule("dualpipev", 4, 8)
+    usual, by_time = lower(built, c), lower(built, c, by_time=True)
+    validate(by_time)
+    made = {}   # comm action on its position -> the witness end of the compute that made the transfer
+    for p, (acts, times) in enumerate(zip([built.compute_actions(p) for p in range(4)], witness_times(built, c))):
+        for a, (_, end) in zip(acts, times):
+            for send, q, recv in transfers(built, p, a):
+                made[(p, send)] = made[(q, recv)] = end
+    comm = [[{made[(p, a)] for a in step if a.kind not in (Kind.SEND_H, Kind.RECV_H)} for step in prog
+             if not step[0].kind.is_compute] for p, prog in enumerate(by_time.programs)]
+    assert all(len(times) <= 1 for row in comm for times in row)
+    assert any(len({made[(p, a)] for a in step if a.kind not in (Kind.SEND_H, Kind.RECV_H)}) > 1
+               for p, prog in enumerate(usual.programs) for step in prog if not step[0].kind.is_compute)
+    assert (simulate(usual, c).makespan, simulate(by_time, c).makespan) == (27.5, 26.5)
+    assert compile_schedule("dualpipev", 4, 8).programs == by_time.programs
+    for name in ("1f1b", "zb-h1", "zbv"):   # equal makespans: the usual batches, fewer steps
+        assert compile_schedule(name, 4, 8).programs == lower(build_schedule(name, 4, 8), None).programs
