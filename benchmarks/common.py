@@ -119,6 +119,11 @@ def efficiency_table(rows: list[dict[str, Any]]) -> str:
                      f"{f('ours_median_s')} | {f('ours_efficiency')} | {f('ours_efficiency_vs_measured_costs')} | "
                      f"{f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
                      f"{f('torch_efficiency')} | {f('ratio_ours_over_torch', '{:.2f}x')} |")
+    if any("ratio_ours_over_torch_training" in r for r in rows):   # --engines ... torch-train
+        lines += ["", "| schedule | pp | m | torch step() + training loop (s) | ours/torch training step |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['torch-train_median_s']:.3f} | "
+                  f"{r['ratio_ours_over_torch_training']:.2f}x |" for r in rows if "torch-train_median_s" in r]
     return "\n".join(lines)
 
 

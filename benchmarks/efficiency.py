@@ -13,6 +13,9 @@ times, so every schedule does the same work. Per configuration it reports the me
 each engine, the simulator's ideal makespan for the same costs (free communication), efficiency =
 ideal / measured, overhead per compute action, peak stored activations per stage, and the
 throughput ratio ours / torch.distributed.pipelining. Engines alternate (ours, theirs, ours, ...).
+``--engines ours torch torch-train`` adds torch's step() followed by what a training loop adds to it
+and ours does inside its step (the grad-norm all-reduce, the optimizer step, zero_grad), and the ratio
+of training steps.
 
 Real mode (2 processes): an MLP whose step takes about a second on one thread, run unsplit with
 gradient accumulation on rank 0 and as pp=2 1F1B on both ranks, same global batch and microbatches;
@@ -71,7 +74,11 @@ def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[i
     return {"engine": engine, "step": step, "peaks": peaks, "durations": durations}
 
 
-def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
+def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int],
+           training: bool = False) -> dict[str, Any]:
+    """torch's schedule on the same stages; ``training``: step() and what a training loop adds to it, and ours
+    does inside its step (the global gradient norm for clipping: one all-reduce over the pipeline; the
+    optimizer step; zeroing the gradients)."""
     import torch.distributed.pipelining as pipelining
     v = default_chunks(name)
     rank = dist.get_rank()
@@ -86,6 +93,8 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
     sched = cls(stages if multi else stages[0], n_microbatches=m, loss_fn=mean_loss)
     full = torch.randn(act[0] * m, act[1])
     first, last = rank == 0, rank == (0 if v_shape else (n - 1) % pp)
+    params = [q for mod in mods for q in mod.parameters()]
+    opt = torch.optim.SGD(params, lr=0.0)
 
     def step() -> None:
         kw: dict[str, Any] = {}
@@ -96,6 +105,11 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
             sched.step(full, **kw)
         else:
             sched.step(**kw)
+        if training:
+            squares = torch.stack([q.grad.double().square().sum() for q in params if q.grad is not None]).sum()
+            dist.all_reduce(squares)
+            opt.step()
+            opt.zero_grad()
 
     return {"step": step}
 
@@ -107,7 +121,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     errors: dict[str, str] = {}
     for e in engines:
         try:
-            runners[e] = (ours if e == "ours" else theirs)(name, pp, m, t, act)
+            runners[e] = ours(name, pp, m, t, act) if e == "ours" else theirs(name, pp, m, t, act, e == "torch-train")
             for _ in range(warmup):
                 runners[e]["step"]()
         except Exception as exc:  # report, do not abort the sweep (e.g. an unsupported schedule)
@@ -148,6 +162,8 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
         row["ours_efficiency_vs_measured_costs"] = row["ideal_measured_costs_s"] / row["ours_median_s"]
     if "ours" in times and "torch" in times:
         row["ratio_ours_over_torch"] = row["torch_median_s"] / row["ours_median_s"]
+    if "ours" in times and "torch-train" in times:
+        row["ratio_ours_over_torch_training"] = row["torch-train_median_s"] / row["ours_median_s"]
     return row
 
 
@@ -246,7 +262,9 @@ def main() -> None:
     p.add_argument("--act", default="8x1024", help="activation rows x cols, float32 (default 8x1024)")
     p.add_argument("--steps", type=int, default=6, help="measured steps per engine")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--engines", nargs="+", default=["ours", "torch"], choices=["ours", "torch"])
+    p.add_argument("--engines", nargs="+", default=["ours", "torch"], choices=["ours", "torch", "torch-train"],
+                   help="torch: its schedule's step(); torch-train: step() plus what a training loop adds (the "
+                        "grad-norm all-reduce, the optimizer step, zero_grad), as ours does in its step")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
     p.add_argument("--real", action="store_true", help="real-compute pp=2 speedup mode (2 processes)")
     p.add_argument("--hidden", type=int, default=1024)

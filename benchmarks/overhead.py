@@ -85,9 +85,9 @@ def _time_python_before_first_op(engine: PipelineEngine, delays: list[float]) ->
     post, issue = engine.wire.post, engine.wire._issue
     start: list[float] = []
 
-    def timed_post(step: Any) -> None:
+    def timed_post(step: Any, *rest: Any) -> None:
         start[:] = [time.perf_counter()]
-        post(step)
+        post(step, *rest)
 
     def timed_issue(ops: Any) -> Any:
         if start:

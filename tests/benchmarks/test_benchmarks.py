@@ -20,7 +20,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def test_efficiency_smoke(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
     cmd = [*TORCHRUN, "-m", "benchmarks.efficiency", "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
-           "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out", str(out)]
+           "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out", str(out),
+           "--engines", "ours", "torch", "torch-train"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,11 +32,12 @@ def test_efficiency_smoke(tmp_path: Path) -> None:
         for engine in ("ours", "torch"):
             assert 0 < r[f"{engine}_efficiency"] <= 1.05, r
             assert r[f"{engine}_median_s"] > r["ideal_s"] * 0.95
-        assert r["ratio_ours_over_torch"] > 0
+        assert r["ratio_ours_over_torch"] > 0 and r["ratio_ours_over_torch_training"] > 0
+        assert r["torch-train_median_s"] > r["ideal_s"] * 0.95   # step() plus a training loop's epilogue
         assert 0 < r["ours_efficiency_vs_measured_costs"] <= 1.05
     assert rows[0]["ours_peak_stored"] == {"0": 2, "1": 1}          # 1F1B: min(p - s, m)
     assert rows[0]["ideal_s"] == pytest.approx(5 * 0.006)           # (m + p - 1)(f + b + w)
-    assert "| 1f1b | 2 | 4 |" in proc.stdout
+    assert "| 1f1b | 2 | 4 |" in proc.stdout and "ours/torch training step |" in proc.stdout
 
 
 def test_overhead_analysis_of_records() -> None:
