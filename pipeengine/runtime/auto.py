@@ -3,7 +3,9 @@
 Every library schedule that applies is planned (its best split, planner.py) and simulated with each
 stage's own costs; then, for each placement (one stage per position, the V, two looping chunks), the
 greedy synthesiser (schedule/synth.py) builds an order for the best split of that placement with
-the measured per-stage costs, under the memory cap turned into chunk activations per position. The
+the measured per-stage costs, under the placement's own cap and under the most a position may hold (the
+memory cap turned into chunk activations per position; without one, zb-h2's 2pp - 1 microbatches), each
+lowered with the usual batches and with batches of one witness time (lower.py). The
 shortest simulated makespan wins, so auto is never slower in simulation than the best library
 schedule under the same cap. It also reports a lower bound no schedule can beat: the larger of the
 busiest position's work and the critical path of one microbatch (every F, then every B, with the
@@ -110,14 +112,34 @@ def _memory(bounds: Sequence[int], schedule: Schedule, costs: Sequence[LayerCost
             for peak, (params, act) in zip(in_flight_peaks(schedule), position_sizes(costs, bounds, schedule))]
 
 
-def _caps_from_memory(choice: Choice, schedule: Schedule, costs: Sequence[LayerCost], memory_cap: float | None,
-                      state_factor: float, default: list[int]) -> list[int]:
-    """Chunk activations each position may hold: what the cap leaves after its parameters' state, over its
-    largest stage activation (no cap: ``default``)."""
+def _cap_options(choice: Choice, schedule: Schedule, costs: Sequence[LayerCost], memory_cap: float | None,
+                 state_factor: float, default: list[int]) -> list[list[int]]:
+    """The caps (chunk activations per position) the greedy runs under: the placement's own (``default``) and
+    the most a position may hold. With a memory cap that is what the cap leaves after the position's
+    parameters' state, over its largest stage activation (the default is lowered to it); without one,
+    zb-h2's peak, 2pp - 1 microbatches, the most any library schedule auto compares holds. A larger cap
+    is not always shorter (the greedy runs an F whenever it may), so both are tried."""
     if memory_cap is None:
-        return default
-    return [max(0, int((memory_cap - state_factor * params) // act)) if act > 0 else 10**9
-            for params, act in position_sizes(costs, choice.bounds, schedule)]
+        most = [schedule.chunks * (2 * schedule.pp - 1)] * schedule.pp
+    else:
+        most = [max(0, int((memory_cap - state_factor * params) // act)) if act > 0 else 10**9
+                for params, act in position_sizes(costs, choice.bounds, schedule)]
+        default = [min(d, c) for d, c in zip(default, most)]
+    return [default] if most == default else [default, most]
+
+
+def _lowered(order: Schedule, stage: Sequence[Costs]) -> tuple[float, Schedule]:
+    """A synthesised order lowered with the usual batches and with batches of one witness time (lower.py), the
+    shorter in simulation (validated)."""
+    best: tuple[float, Schedule] | None = None
+    for by_time in (False, True):
+        sched = lower(order, stage, by_time)
+        validate(sched)
+        makespan = simulate(sched, stage).makespan
+        if best is None or makespan < best[0]:
+            best = (makespan, sched)
+    assert best is not None
+    return best
 
 
 def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory_cap: float | None = None,
@@ -146,16 +168,16 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
         stage = [Costs(f, b, w, comm) for f, b, w in choice.stage_costs]
         default = synthesis_caps("zb-h2" if chunks == 1 else "zbv" if placement == "v" else "interleaved-zb", pp,
                                  microbatches, chunks)
-        caps = _caps_from_memory(choice, base, costs, memory_cap, state_factor, default)
-        try:
-            sched = lower(synthesise("auto", pp, microbatches, chunks, placement, stage, caps), stage)
-        except ValueError:   # the cap leaves too little room for this placement
-            candidates[label] = None
-            continue
-        validate(sched)
-        makespan = simulate(sched, stage).makespan
-        candidates[label] = makespan
-        results.append((makespan, label, sched, choice))
+        made = []
+        for caps in _cap_options(choice, base, costs, memory_cap, state_factor, default):
+            try:
+                made.append(_lowered(synthesise("auto", pp, microbatches, chunks, placement, stage, caps), stage))
+            except ValueError:   # the cap leaves too little room for this placement
+                continue
+        best = min(made, key=lambda ms: ms[0], default=None)
+        candidates[label] = None if best is None else best[0]
+        if best is not None:
+            results.append((best[0], label, best[1], choice))
     if not results:
         raise PartitionError(f"no schedule fits: every library schedule and every synthesised one needs more "
                              f"memory than the cap of {(memory_cap or 0) / 2**30:.2f} GiB per position; raise "

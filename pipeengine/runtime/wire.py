@@ -26,10 +26,11 @@ tensor (the stage kept only its autograd node, see stage.py) is held until its s
 Gloo's works report completion only once waited on, so on Gloo a comm step's sends are waited on
 when the next one is posted (``settle()``): the program was proven under rendezvous semantics,
 where every step completes before the rank goes on, so this closes no cycle, and a stage holds
-one step's sends whatever the schedule (comm steps with no compute between them count as one: they are
-posted back to back, as one batch would be, and the next compute comes after all of them). Sooner, when ``take()`` gets a transfer from a peer, the
-earlier sends to it in the link's order were received (it posted those receives before sending
-this): they are waited on there without blocking. On NCCL ``poll()`` releases them.
+one step's sends whatever the schedule (comm steps with no compute between them count as one: they
+are posted back to back, as one batch would be, and the next compute comes after all of them).
+Sooner, when ``take()`` gets a transfer from a peer, the earlier sends to it in the link's order
+were received (it posted those receives before sending this): they are waited on there without
+blocking. On NCCL ``poll()`` releases them.
 """
 
 from __future__ import annotations

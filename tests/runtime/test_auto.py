@@ -55,3 +55,14 @@ def test_auto_keeps_under_the_memory_cap() -> None:
     assert max(capped.memory) <= 4 * 400 + 4 * 4000 < max(free.memory)
     with pytest.raises(PartitionError, match="no schedule fits"):
         auto_schedule(costs, 4, 8, memory_cap=100)
+
+
+def test_a_synthesised_order_can_win_and_without_a_cap_holds_no_more_than_zb_h2() -> None:
+    """The greedy order is lowered both ways (lower.py, [Note: batches by time]) under two caps; with random layer
+    costs it beats every library schedule, holding at most zb-h2's 2pp - 1 microbatches per position."""
+    choice = auto_schedule(profile_costs("random +-50% #0, 82"), 4, 32)
+    library = min(t for name, t in choice.candidates.items() if t is not None and not name.startswith("synth"))
+    assert choice.schedule.name == "auto" and choice.makespan < library
+    validate(choice.schedule)
+    peaks = simulate(choice.schedule, [Costs(*c) for c in choice.stage_costs]).peak_in_flight
+    assert max(peaks) <= choice.schedule.chunks * (2 * 4 - 1)
