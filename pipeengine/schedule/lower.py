@@ -29,8 +29,8 @@ On link (0, 1) both positions post F0, F1, B0, B1 in that order.
 [Note: batches by time]
 A batch completes as a whole on NCCL (grouped ops), so a batch that joins a transfer due early with one
 due late holds the early one back, and on a position's one in-order stream everything queued behind it.
-In dualpipev, position 1 above would post ``sendB0>0+recvF1<0`` as one batch even when F1 is sent long
-after B0. ``lower(..., by_time=True)`` cuts batches where the witness time changes: a batch holds only
+In dualpipev a full B's gradient would share a batch with a forward input the same peer sends much
+later. ``lower(..., by_time=True)`` cuts batches where the witness time changes: a batch holds only
 transfers made at one time. Both ends still post each link's ops in the same order (the keys are the
 same), so the pairing holds; the validator proves it again. ``compile_schedule`` lowers both ways and
 keeps the shorter in simulation (ties: the usual batches, fewer steps): dualpipev pp 4 m 8 takes 26.5
