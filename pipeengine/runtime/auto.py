@@ -5,7 +5,7 @@ stage's own costs; then, for each placement (one stage per position, the V, two 
 greedy synthesiser (schedule/synth.py) builds an order for the best split of that placement with
 the measured per-stage costs, under the placement's own cap and under the most a position may hold (the
 memory cap turned into chunk activations per position; without one, zb-h2's 2pp - 1 microbatches), each
-lowered with the usual batches and with batches of one witness time (lower.py). The
+lowered with the usual batches and with batches of one witness time (``shortest_lowering``). The
 shortest simulated makespan wins, so auto is never slower in simulation than the best library
 schedule under the same cap. It also reports a lower bound no schedule can beat: the larger of the
 busiest position's work and the critical path of one microbatch (every F, then every B, with the
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..schedule import Costs, Schedule, ScheduleError, compile_schedule, lower, simulate, validate
-from ..schedule.builders import synthesis_caps
+from ..schedule import Costs, Schedule, compile_schedule, simulate
+from ..schedule.builders import shortest_lowering, synthesis_caps
 from ..schedule.simulate import in_flight_peaks
 from ..schedule.synth import synthesise
 from .planner import Choice, LayerCost, PartitionError, choose_bounds, position_sizes
@@ -128,25 +128,6 @@ def _cap_options(choice: Choice, schedule: Schedule, costs: Sequence[LayerCost],
     return [default] if most == default else [default, most]
 
 
-def _lowered(order: Schedule, stage: Sequence[Costs]) -> tuple[float, Schedule]:
-    """A synthesised order lowered with the usual batches and with batches of one witness time (lower.py), the
-    shorter in simulation of those the validator proves (the usual one always is: it raises otherwise)."""
-    best: tuple[float, Schedule] | None = None
-    for by_time in (False, True):
-        sched = lower(order, stage, by_time)
-        try:
-            validate(sched)
-        except ScheduleError:
-            if not by_time:
-                raise
-            continue
-        makespan = simulate(sched, stage).makespan
-        if best is None or makespan < best[0]:
-            best = (makespan, sched)
-    assert best is not None
-    return best
-
-
 def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory_cap: float | None = None,
                   comm: float = 0.0, state_factor: float = 4.0) -> AutoChoice:
     """The schedule and split with the shortest simulated step (see the module docstring)."""
@@ -176,9 +157,11 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
         made = []
         for caps in _cap_options(choice, base, costs, memory_cap, state_factor, default):
             try:
-                made.append(_lowered(synthesise("auto", pp, microbatches, chunks, placement, stage, caps), stage))
+                order = synthesise("auto", pp, microbatches, chunks, placement, stage, caps)
             except ValueError:   # the cap leaves too little room for this placement
                 continue
+            sched = shortest_lowering([order], stage)
+            made.append((simulate(sched, stage).makespan, sched))
         best = min(made, key=lambda ms: ms[0], default=None)
         candidates[label] = None if best is None else best[0]
         if best is not None:

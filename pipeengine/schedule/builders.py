@@ -19,7 +19,8 @@ from .verify import validate
 
 __all__ = ["SCHEDULES", "CHUNKS", "build_schedule", "compile_schedule", "theoretical_bubble", "default_chunks",
            "schedule_bubble",
-           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "forward_only"]
+           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "forward_only",
+           "shortest_lowering"]
 
 Program = list[Action]
 
@@ -234,10 +235,18 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
     builds = [build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs)]
     if name == "zb-h1":
         builds.append(build_schedule(name, pp, microbatches, chunks, lag_w=False))
+    return shortest_lowering(builds, costs)
+
+
+def shortest_lowering(orders: Sequence[Schedule], costs: Costs | Sequence[Costs] | None = None) -> Schedule:
+    """Of compute-only ``orders``, each lowered with the usual batches and with batches of one witness time
+    (lower.py, [Note: batches by time]), the one shortest in simulation with ``costs`` that the validator proves;
+    ties go to the earlier order and to the usual batches (fewer steps). Raises the validator's error if none is
+    proven."""
     variants: list[Schedule] = []
-    for built in builds:
-        variants.append(lower(built, costs))
-        by_time = lower(built, costs, by_time=True)
+    for order in orders:
+        variants.append(lower(order, costs))
+        by_time = lower(order, costs, by_time=True)
         if by_time.programs != variants[-1].programs:
             variants.append(by_time)
     if len(variants) > 1:

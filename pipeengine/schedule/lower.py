@@ -32,9 +32,10 @@ due late holds the early one back, and on a position's one in-order stream every
 In dualpipev a full B's gradient would share a batch with a forward input the same peer sends much
 later. ``lower(..., by_time=True)`` cuts batches where the witness time changes: a batch holds only
 transfers made at one time. Both ends still post each link's ops in the same order (the keys are the
-same), so the pairing holds; the validator proves it again. ``compile_schedule`` lowers both ways and
-keeps the shorter in simulation (ties: the usual batches, fewer steps): dualpipev pp 4 m 8 takes 26.5
-instead of 27.5 with unit costs; 1F1B, ZB and ZBV are unchanged. On Gloo the extra steps cost nothing
+same), so the pairing holds; the validator proves it again. ``shortest_lowering`` (builders.py, for
+``compile_schedule`` and auto) lowers both ways and keeps the shorter in simulation (ties: the usual
+batches, fewer steps): dualpipev pp 4 m 8 takes 26.5 instead of 27.5 with unit costs; 1F1B, ZB and ZBV
+are unchanged. On Gloo the extra steps cost nothing
 because a comm step right after another does not first wait for the earlier sends (``Wire.settle``).
 """
 
