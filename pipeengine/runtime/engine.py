@@ -34,7 +34,7 @@ from .stage import LayerChain, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
 from .wire import Wire
-from .zero import ShardedOptimizer, check_elementwise, group_key
+from .zero import ShardedOptimizer
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
 
@@ -113,7 +113,9 @@ class PipelineEngine:
         self.schedule, self.microbatches = self.plan.schedule, self.plan.schedule.microbatches
         self.loss_fn = loss_fn
         self._build(layers, tied, seed, recompute)
-        self.optimizer = checked_optimizer(optimizer(self.parameters))
+        # a rank whose stages hold no parameters (ReLU, pooling) still has an optimizer for set_lr, schedulers and
+        # checkpoints: torch refuses an empty list, so the factory gets one zero-element placeholder, never stepped
+        self.optimizer = checked_optimizer(optimizer(self.parameters or [nn.Parameter(torch.empty(0, device=self.device))]))
         self._setup_sync(bucket_mb, overlap_grad_sync, shard_optimizer and self.topology.dp > 1)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
@@ -163,19 +165,19 @@ class PipelineEngine:
         self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages,
                                    self.schedule.placement(self.plan.num_stages - 1)[0], self.device, self._wait,
                                    self.watch)
-        if shard:
-            check_elementwise(self.optimizer)
         self.grad_sync: GradSync = GradSync(
             self.parameters, self.groups.dp_group, self.topology.dp, self.watch, self.consensus.dp_peers, bucket_mb,
             self.device.type == "cuda" if overlap is None else overlap, shard=self.replica if shard else None,
-            key=group_key(self.optimizer), whole=frozenset(id(p) for mine, _, _ in self.ties.copies for p in mine))
+            whole=frozenset(id(p) for mine, _, _ in self.ties.copies for p in mine))
         self.zero: ShardedOptimizer | None = None   # ZeRO-1 (zero.py)
         self.gather_in_background = self.device.type == "cuda"   # ZeRO-1: see [Note: sharded optimizer state]
         self.stepped = self.parameters              # what the optimizer steps (shards under ZeRO-1)
         if shard:
+            peers = self.consensus.dp_peers
             self.zero = ShardedOptimizer(self.grad_sync, self.optimizer, self.replica,
-                                         lambda w, what: self._wait(w, what, self.consensus.dp_peers))
-            self.optimizer, self.stepped = self.zero.optimizer, self.zero.params
+                                         lambda w, what: self._wait(w, what, peers),
+                                         lambda t, what: self.watch.host_values(t, what, peers))
+            self.stepped = self.zero.params
             self.consensus.squares = self.zero.squares
             self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
 

@@ -45,14 +45,13 @@ class GradSync:
     multiple of ``size`` and split into ``size`` equal shards; a bucket is reduce-scattered
     (``reduce_scatter_single`` into this replica's shard of it, in place) instead of all-reduced, except
     the buckets of ``whole`` parameters (tied copies, summed over their tie afterwards), which are
-    all-reduced. ``key`` separates buckets further (the optimizer's parameter groups). No flags: under
-    sharding a parameter without a gradient gets zeros (as Megatron's and DeepSpeed's sharded
-    optimizers give it).
+    all-reduced. The flags then sit in ``got`` (one per parameter, in bucket order), summed by the
+    sharded optimizer's own small all-reduce (zero.py).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, size: int, watcher: Watch,
                  peers: Sequence[int] = (), bucket_mb: float = 25.0, overlap: bool = True, shard: int | None = None,
-                 whole: frozenset[int] = frozenset(), key: Callable[[nn.Parameter], int] = lambda p: 0) -> None:
+                 whole: frozenset[int] = frozenset()) -> None:
         self.group = group
         self.size = size
         self.watch = watcher     # times the waits (faults.py)
@@ -71,15 +70,16 @@ class GradSync:
         self.shard = shard
         self.whole: list[bool] = []                 # per bucket: all-reduced (not reduce-scattered) under sharding
         self.sizes: list[int] = []                  # per bucket: elements per shard (sharding)
+        self.got = torch.zeros(0)                   # sharding: per parameter, in bucket order, got a gradient
         assert shard is None or size > 1, "sharding over one replica"
         if size == 1:
             return
         limit = int(bucket_mb * 2**20)
-        by_key: dict[tuple[torch.dtype, int, bool], list[nn.Parameter]] = {}
+        by_key: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
         for p in reversed(list(params)):
             if p.requires_grad:
-                by_key.setdefault((p.dtype, key(p), id(p) in whole), []).append(p)
-        for (_, _, is_whole), ps in by_key.items():
+                by_key.setdefault((p.dtype, id(p) in whole), []).append(p)
+        for (_, is_whole), ps in by_key.items():
             bucket: list[nn.Parameter] = []
             nbytes = 0
             for p in ps:
@@ -91,6 +91,10 @@ class GradSync:
             if bucket:
                 self.buckets.append(bucket)
             self.whole += [is_whole] * (len(self.buckets) - len(self.whole))
+        if shard is not None:
+            self.got = torch.zeros(sum(map(len, self.buckets)), device=self.buckets[0][0].device if self.buckets
+                                   else None)
+        slot = 0
         for k, bucket in enumerate(self.buckets):
             numel = sum(p.numel() for p in bucket)
             self.sizes.append(-(-numel // size))
@@ -101,11 +105,13 @@ class GradSync:
                 views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
                 self._where[id(p)] = k
-                self._flag[id(p)] = flat[numel + j:numel + j + 1]   # see [Note: a parameter without a gradient]
+                flags = flat[numel:] if shard is None else self.got[slot:]   # [Note: a parameter without a gradient]
+                self._flag[id(p)] = flags[j:j + 1]
                 p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
             self.flats.append(flat)
             self._flags.append(flat[numel:] if shard is None else flat[:0])
             self._views.append(views)
+            slot += len(bucket)
 
     def shard_of(self, k: int) -> torch.Tensor:
         """This replica's shard of bucket ``k``'s gradients (sharding)."""
@@ -118,6 +124,7 @@ class GradSync:
             return False
         for flat in self.flats:
             flat.zero_()
+        self.got.zero_()
         for bucket, views in zip(self.buckets, self._views):
             for p, view in zip(bucket, views):
                 p.grad = view
@@ -133,8 +140,7 @@ class GradSync:
             self._armed.update(id(p) for p in params)
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        if self.shard is None:
-            self._flag[id(p)].fill_(1)
+        self._flag[id(p)].fill_(1)
         if self.overlap and id(p) in self._armed:
             self._final(p)
 

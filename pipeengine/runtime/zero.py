@@ -5,42 +5,47 @@ Without sharding every replica of a stage holds the whole optimizer state (AdamW
 parameter, on top of 4 for the weight and 4 for its gradient). With it, the gradient buckets
 (grad_sync.py) are padded to a multiple of dp and cut into dp equal shards, and the parameters get
 one flat buffer per bucket laid out like its gradients (every ``param.data`` a view into it).
-Replica r owns shard r of every bucket. A step then goes:
+Replica r owns shard r of every bucket: each parameter's *part* there (its flattened elements that
+fall in the shard, a view, no copy). A step then goes:
 
     backward     each bucket is reduce-scattered (``reduce_scatter_single``, in place): replica r gets
                  the sum of shard r; the buckets of tied copies are all-reduced, then summed over
                  their tie as without sharding
-    norm         per parameter, the squared norm of its part of this replica's shards, summed over
-                 the group (one small all-reduce); then the end-of-step all-reduce as ever
-    step         the optimizer steps one flat shard parameter per bucket (a view of the parameter
-                 buffer: no copy), holding state for 1/dp of the stage's elements
+    norm         per parameter, the squared norm of its part, and whether it got a gradient, summed
+                 over the group (one small all-reduce); then the end-of-step all-reduce as ever
+    step         the user's optimizer steps the parts: its groups hold them for the duration of its
+                 own ``step()`` (its hyperparameters, LR schedulers and hooks as the user set them),
+                 its state holds 1/dp of the stage's elements, keyed by the user's parameters
     all-gather   every bucket's shards, gathered in place (``all_gather_single``), the first layers'
                  buckets first; on CPU waited for at once, on CUDA by each stage just before its first
                  F of the next step (or before a state read): it overlaps the data loading, and the
                  earlier stages' forwards with the later stages' gathers
 
 It is exact for optimizers that update every element on its own (SGD, Adam, AdamW, Adamax,
-Adagrad, RMSprop, NAdam, RAdam): a flat shard steps bitwise as the parameters it covers, and with
-dp 2 the reduce-scatter adds the same two numbers as the all-reduce did. The gradient norm is
-summed from per-shard parts (round-off apart from the unsharded norm: clipping then differs in
-the last bits). Two differences from the unsharded engine, as in Megatron's and DeepSpeed's
-distributed optimizers: a parameter that got no gradient on any replica steps with a zero gradient
-(weight decay and moments move), and each shard has one step count.
+Adagrad, RMSprop, NAdam, RAdam): a part steps bitwise as the same elements of the whole parameter,
+with the parameter's own step count, and with dp 2 the reduce-scatter adds the same two numbers as
+the all-reduce did. A parameter that no replica gave a gradient is not stepped (``grad`` None, as
+``zero_grad`` leaves it unsharded); one outside every group, or frozen, never. The gradient norm is
+summed from per-part norms (round-off apart from the unsharded norm: clipping then differs in the
+last bits). The user's ``zero_grad()`` changes nothing: the engine points the gradients into its
+buckets at every step.
 
 torch's ``ZeroRedundancyOptimizer`` assigns whole parameters to ranks and broadcasts them, after a
 full all-reduce of the gradients (DDP's): it cannot use the buckets' reduce-scatter, and its
-``consolidate_state_dict`` gathers the whole state on one rank to save. Here a checkpoint keeps its
-global keys (state.py): each replica writes its parts of a parameter's state as DCP shards with
-global offsets (``CheckpointableTensor``: at most 2 x ndim - 1 boxes of the parameter's shape per
-part), so a state saved at any dp, sharded or not, loads at any other.
+``consolidate_state_dict`` gathers the whole state on one rank to save. Megatron's and DeepSpeed's
+distributed optimizers step flat shards with one step count per shard and step a parameter without
+a gradient with zeros. Here a checkpoint keeps its global keys (state.py): each replica writes its
+parts of a parameter's state as DCP shards with global offsets (``CheckpointableTensor``: at most
+2 x ndim - 1 boxes of the parameter's shape per part), so a state saved at any dp, sharded or not,
+loads at any other.
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,37 +136,47 @@ class Segment:
 
 
 class ShardedOptimizer:
-    """This replica's optimizer over its shards of ``sync``'s buckets (see the module note).
+    """Steps the user's ``optimizer`` on this replica's shards of ``sync``'s buckets (see the module note).
 
-    ``optimizer``: the user's, built on the rank's parameters; only its class and parameter groups
-    are used (buckets never mix groups: ``sync`` was made with ``key=group_key(optimizer)``).
+    ``optimizer`` stays the user's object: its ``param_groups`` (the user's dicts, parameters and
+    hyperparameters), ``state`` (keyed by the user's parameters, each holding its part: a 1-D tensor of
+    the elements in this replica's shard), ``state_dict()``, hooks and LR schedulers work as without
+    sharding. Only :meth:`step` differs: for the duration of the optimizer's own ``step()`` every group
+    holds the parts of its parameters that have elements here and got a gradient on some replica (a
+    parameter outside every group, frozen, or without a gradient this step is not stepped, as
+    unsharded), each part's ``grad`` a view of the reduced gradient shard.
     """
 
     def __init__(self, sync: GradSync, optimizer: torch.optim.Optimizer, replica: int,
-                 wait: Callable[[Any, str], None]) -> None:
-        self.sync, self.replica, self.wait = sync, replica, wait
+                 wait: Callable[[Any, str], None], read: Callable[[torch.Tensor, str], list[Any]]) -> None:
+        check_elementwise(optimizer)
+        self.sync, self.optimizer, self.replica, self.wait, self.read = sync, optimizer, replica, wait, read
         self.flats: list[torch.Tensor] = []          # per bucket: the parameters, padded like the gradients
-        self.params: list[nn.Parameter] = []         # per bucket: this replica's shard of it (what is stepped)
+        self.params: list[nn.Parameter] = []         # per bucket: this replica's shard (unscaled, clipped in place)
         self.segments: list[list[Segment]] = []      # per bucket: the parameters' parts in that shard
+        self._parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(param) -> (its part, the part's grad)
         self._gathers: dict[int, Any] = {}           # bucket -> its parameters' all-gather, not waited for yet
-        groups = group_key(optimizer)
-        per_group: dict[int, list[nn.Parameter]] = {}
         for k, bucket in enumerate(sync.buckets):
             self._lay_out(k, bucket)
-            per_group.setdefault(groups(bucket[0]), []).append(self.params[-1])
-        hyper = [{key: v for key, v in g.items() if key != "params"} for g in optimizer.param_groups]
-        cls = type(optimizer)
-        accepted = inspect.signature(cls).parameters
-        self.optimizer = cls([{**hyper[i], "params": ps} for i, ps in sorted(per_group.items())],
-                             **{key: v for key, v in optimizer.defaults.items() if key in accepted})
-        self._slots = {id(p): j for j, p in enumerate(p for b in sync.buckets for p in b)}   # -> _squares
-        self._squares = torch.zeros(len(self._slots) + 1, dtype=torch.float64,
-                                    device=self.flats[0].device if self.flats else None)
+        order = [p for b in sync.buckets for p in b]
+        self._slots = {id(p): j for j, p in enumerate(order)}   # -> _reduced
+        n = len(order)
+        device = self.flats[0].device if self.flats else None
+        # [squared norm per parameter, 0 (a parameter without a slot), got a gradient per parameter]: one all-reduce
+        self._reduced = torch.zeros(2 * n + 1, dtype=torch.float64, device=device)
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}   # squares(): index tensors, made once per list
 
     def _lay_out(self, k: int, bucket: list[nn.Parameter]) -> None:
         size, n = self.sync.sizes[k], self.sync.size
+        for p in bucket:
+            if not p.dtype.is_floating_point or p.element_size() < 4:
+                raise ValueError(f"shard_optimizer (--zero 1) keeps each parameter's optimizer state in its dtype, as "
+                                 f"the unsharded optimizer does; a parameter of shape {tuple(p.shape)} is {p.dtype}, "
+                                 f"whose state would lose small updates: keep the parameters in float32 (train in "
+                                 f"bf16 with --precision bf16, autocast) or use --zero 0")
         flat = torch.zeros(size * n, dtype=bucket[0].dtype, device=bucket[0].device)
         lo, hi = self.replica * size, (self.replica + 1) * size
+        shard_grad = self.sync.shard_of(k)
         segments, offset = [], 0
         with torch.no_grad():
             for p in bucket:
@@ -170,10 +185,12 @@ class ShardedOptimizer:
                 p.data = view
                 if offset < hi and offset + p.numel() > lo:
                     a, b = max(offset, lo), min(offset + p.numel(), hi)
-                    segments.append(Segment(p, a - offset, b - offset, a - lo))
+                    seg = Segment(p, a - offset, b - offset, a - lo)
+                    segments.append(seg)
+                    self._parts[id(p)] = (seg.piece(flat[lo:hi]), seg.piece(shard_grad))
                 offset += p.numel()
         shard = nn.Parameter(flat[lo:hi])
-        shard.grad = self.sync.shard_of(k)   # the reduced gradients land there (grad_sync.py)
+        shard.grad = shard_grad   # the reduced gradients land there (grad_sync.py)
         self.flats.append(flat)
         self.params.append(shard)
         self.segments.append(segments)
@@ -181,33 +198,74 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ a step
 
     def reduce_squares(self) -> None:
-        """Every parameter's squared gradient norm, summed over the replicas' shards (one all-reduce)."""
+        """Every parameter's squared gradient norm, summed over the replicas' shards, and whether any replica gave
+        it a gradient: one all-reduce."""
         parts = [(self._slots[id(s.param)], s.piece(self.sync.shard_of(k))) for k, segs in enumerate(self.segments)
                  for s in segs]
-        self._squares.zero_()
+        n = len(self._slots)
+        self._reduced.zero_()
         if parts:
             norms = torch._foreach_norm([t for _, t in parts])
-            self._squares[torch.tensor([j for j, _ in parts], device=self._squares.device)] = \
-                torch.stack([v.double() for v in norms]).pow(2)
-        self.wait(dist.all_reduce(self._squares, group=self.sync.group, async_op=True), "the gradient-norm all-reduce")
+            at = self._index_of(tuple(j for j, _ in parts))
+            self._reduced[at] = torch.stack([v.double() for v in norms]).pow(2)
+        self._reduced[n + 1:].copy_(self.sync.got)
+        self.wait(dist.all_reduce(self._reduced, group=self.sync.group, async_op=True), "the gradient-norm all-reduce")
+
+    def _index_of(self, slots: tuple[int, ...]) -> torch.Tensor:
+        index = self._index.get(slots)
+        if index is None:
+            index = self._index[slots] = torch.tensor(slots, dtype=torch.long, device=self._reduced.device)
+        return index
 
     def squares(self, params: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The squared gradient norms of ``params`` (None: 0), as :meth:`reduce_squares` summed them."""
         none = len(self._slots)
-        at = [none if p is None else self._slots.get(id(p), none) for p in params]
-        return self._squares[torch.tensor(at, device=self._squares.device)]
+        return self._reduced[self._index_of(tuple(none if p is None else self._slots.get(id(p), none)
+                                                  for p in params))]
 
     def step(self, defer: bool) -> None:
-        """Step the shards, then gather every bucket's parameters, the first layers' first (``defer``: wait in
-        :meth:`ready`, bucket by bucket as the stages need them)."""
+        """Step the user's optimizer on this replica's parts, then gather every bucket's parameters, the first
+        layers' first (``defer``: wait in :meth:`ready`, bucket by bucket as the stages need them)."""
         self.ready()   # (every stage ran its F, so nothing is left: a guard)
-        self.optimizer.step()
+        n = len(self._slots)
+        got = self.read(self._reduced[n + 1:] > 0, "the gradient-norm all-reduce") if n else []
+        stepped = {pid for pid, j in self._slots.items() if got[j] and pid in self._parts}
+        with self._parts_in_groups(stepped):
+            self.optimizer.step()
         for k in reversed(range(len(self.flats))):   # buckets hold the last layers first: the first F's come first
             a, size = self.replica * self.sync.sizes[k], self.sync.sizes[k]
             self._gathers[k] = dist.all_gather_single(self.flats[k], self.flats[k][a:a + size], group=self.sync.group,
                                                       async_op=True)
         if not defer:
             self.ready()
+
+    @contextlib.contextmanager
+    def _parts_in_groups(self, stepped: set[int]) -> Iterator[None]:
+        """The optimizer's groups hold the parts of the parameters in ``stepped`` (its state keyed by them), as
+        long as the block runs; then the user's parameters again."""
+        opt = self.optimizer
+        groups = [g["params"] for g in opt.param_groups]
+        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []   # (the user's parameter, its part)
+        for g, params in zip(opt.param_groups, groups):
+            parts = []
+            for p in params:
+                if id(p) in stepped:
+                    part, grad = self._parts[id(p)]
+                    part.grad = grad
+                    parts.append(part)
+                    swapped.append((p, part))
+            g["params"] = parts
+        for p, part in swapped:
+            if p in opt.state:
+                opt.state[part] = opt.state.pop(p)
+        try:
+            yield
+        finally:
+            for g, params in zip(opt.param_groups, groups):
+                g["params"] = params
+            for p, part in swapped:
+                if part in opt.state:
+                    opt.state[p] = opt.state.pop(part)
 
     def ready(self, buckets: Iterable[int] | None = None) -> None:
         """Wait for the last step's all-gather of ``buckets`` (default: all); a no-op for those already waited for.
@@ -229,18 +287,15 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ checkpoints (state.py)
 
-    def _state_names(self, k: int) -> dict[str, Any]:
-        return dict(self.optimizer.state.get(self.params[k], {}))
-
     def state_entries(self, keys: Mapping[int, str]) -> dict[str, Any]:
         """This replica's optimizer state by global key (``keys``: parameter id -> its key): a parameter's part
         as DCP shards of its shape; scalars (a step count) whole."""
         out: dict[str, Any] = {}
-        for k, segs in enumerate(self.segments):
-            for name, value in self._state_names(k).items():
-                for s in segs:
+        for segs in self.segments:
+            for s in segs:
+                for name, value in self.optimizer.state.get(s.param, {}).items():
                     key = f"optim.{keys[id(s.param)]}.{name}"
-                    out[key] = value if name in SCALARS else s.block(s.piece(value), s.param.shape)
+                    out[key] = value if name in SCALARS else s.block(value, s.param.shape)
         return out
 
     def template_entries(self, found: Mapping[int, Mapping[str, str]],
@@ -249,36 +304,26 @@ class ShardedOptimizer:
         """Empty tensors to load this replica's parts of the saved state into (``found``: parameter id -> state
         name -> saved key)."""
         out: dict[str, Any] = {}
-        for k, segs in enumerate(self.segments):
+        for segs in self.segments:
             for s in segs:
                 for name, key in found.get(id(s.param), {}).items():
                     info = saved[key]
                     if info is None:
                         out[key] = None
                     elif name in SCALARS:
-                        out[key] = torch.empty(info[0], dtype=info[1], device=device_of(self.params[k], name))
+                        out[key] = torch.empty(info[0], dtype=info[1], device=device_of(s.param, name))
                     else:
                         like = torch.empty(s.stop - s.start, dtype=info[1], device=s.param.device)
                         out[key] = s.block(like, s.param.shape)
         return out
 
     def load_entries(self, found: Mapping[int, Mapping[str, str]], sd: Mapping[str, Any]) -> None:
-        """Take a filled :meth:`template_entries`: each shard's state assembled from its parameters' parts."""
-        for k, (shard, segs) in enumerate(zip(self.params, self.segments)):
-            state: dict[str, Any] = {}
+        """Take a filled :meth:`template_entries`: each parameter's part of its saved state."""
+        for segs in self.segments:
             for s in segs:
-                for name, key in found.get(id(s.param), {}).items():
-                    value = sd[key]
-                    if name in SCALARS or not isinstance(value, torch.Tensor):
-                        state.setdefault(name, value)
-                    else:
-                        whole = state.setdefault(name, torch.zeros(shard.shape, dtype=value.dtype, device=shard.device))
-                        s.piece(whole).copy_(s.elements(value))
-            if state:
-                self.optimizer.state[shard] = state
+                state = {name: sd[key] if name in SCALARS or not isinstance(sd[key], torch.Tensor)
+                         else s.elements(sd[key]).clone() for name, key in found.get(id(s.param), {}).items()}
+                if state:
+                    self.optimizer.state[s.param] = state
 
 
-def group_key(optimizer: torch.optim.Optimizer) -> Callable[[nn.Parameter], int]:
-    """Parameter -> the index of its group in ``optimizer`` (buckets never mix groups)."""
-    where = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    return lambda p: where.get(id(p), 0)
