@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Action, Costs, Kind, Schedule, Step
+from .agree import on_every_rank
 from .clock import ActionClock, Phase
 from .faults import adaptive_timeout, watch
 from .consensus import Consensus
@@ -115,7 +116,8 @@ class PipelineEngine:
         self._build(layers, tied, seed, recompute)
         # a rank whose stages hold no parameters (ReLU, pooling) still has an optimizer for set_lr, schedulers and
         # checkpoints: torch refuses an empty list, so the factory gets one zero-element placeholder, never stepped
-        self.optimizer = checked_optimizer(optimizer(self.parameters or [nn.Parameter(torch.empty(0, device=self.device))]))
+        placeholder = [nn.Parameter(torch.empty(0, device=self.device))]
+        self.optimizer = checked_optimizer(optimizer(self.parameters or placeholder))
         self._setup_sync(bucket_mb, overlap_grad_sync, shard_optimizer and self.topology.dp > 1)
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
@@ -174,9 +176,9 @@ class PipelineEngine:
         self.stepped = self.parameters              # what the optimizer steps (shards under ZeRO-1)
         if shard:
             peers = self.consensus.dp_peers
-            self.zero = ShardedOptimizer(self.grad_sync, self.optimizer, self.replica,
-                                         lambda w, what: self._wait(w, what, peers),
-                                         lambda t, what: self.watch.host_values(t, what, peers))
+            self.zero = on_every_rank(lambda: ShardedOptimizer(   # a refusal on one rank is every rank's
+                self.grad_sync, self.optimizer, self.replica, lambda w, what: self._wait(w, what, peers),
+                lambda t, what: self.watch.host_values(t, what, peers)))
             self.stepped = self.zero.params
             self.consensus.squares = self.zero.squares
             self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]

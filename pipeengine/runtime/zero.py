@@ -325,5 +325,3 @@ class ShardedOptimizer:
                          else s.elements(sd[key]).clone() for name, key in found.get(id(s.param), {}).items()}
                 if state:
                     self.optimizer.state[s.param] = state
-
-

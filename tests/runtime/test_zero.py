@@ -124,9 +124,27 @@ def _lbfgs(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_an_optimizer_that_is_not_elementwise_is_refused(world2) -> None:  # type: ignore[no-untyped-def]
+def _bf16_head(rank: int, world: int) -> str:
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.topology import Topology
+    from tests.runtime.equivalence import mlp_layers
+    layers = mlp_layers()
+    layers[-1].to(torch.bfloat16)   # only the last position's parameters: the refusal still reaches every rank
+    try:
+        PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.AdamW(ps),
+                       topology=Topology(pp=2, dp=2), shard_optimizer=True)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_optimizer_that_is_not_elementwise_and_bf16_parameters_are_refused(  # type: ignore[no-untyped-def]
+        world2, world4) -> None:
     for message in world2.run(_lbfgs):
         assert message.startswith("shard_optimizer (--zero 1) steps flat slices") and "LBFGS" in message, message
+    for message in world4.run(_bf16_head):
+        assert "torch.bfloat16" in message and "--precision bf16" in message and len(message.splitlines()) == 1, \
+            message
 
 
 # ------------------------------------------------------------------ the loop idioms users write
@@ -182,8 +200,8 @@ def _idioms(rank: int, world: int, pp: int, shard: bool) -> dict[str, Any]:
         engine.train_batch(replica_iter(batch, 4, engine.replica, dp, m) if engine.needs_data else None)
         opt.load_state_dict(saved)   # round trip: the state of step 4 again
         again = opt.state_dict()
-        round_trip = all(torch.equal(again["state"][i][k], v) if isinstance(v, torch.Tensor) else again["state"][i][k]
-                         == v for i, st in saved["state"].items() for k, v in st.items())
+        round_trip = all(torch.equal(again["state"][i][k], v) if isinstance(v, torch.Tensor)
+                         else again["state"][i][k] == v for i, st in saved["state"].items() for k, v in st.items())
         params = {k: v.clone() for k, v in engine.state_dict().items() if k.startswith("layers.")}
         return {"losses": losses, "params": params, "start": start, "round_trip": round_trip,
                 "groups": [(len(g["params"]), g["lr"], g["weight_decay"]) for g in opt.param_groups],
@@ -192,8 +210,8 @@ def _idioms(rank: int, world: int, pp: int, shard: bool) -> dict[str, Any]:
         torch.set_default_dtype(torch.float32)
 
 
-@pytest.mark.parametrize("pp, world", [(1, 2), (2, 4), (1, 4)], ids=["pp1dp2", "pp2dp2-a-stage-without-parameters",
-                                                                      "pp1dp4"])
+@pytest.mark.parametrize("pp, world", [(1, 2), (2, 4), (1, 4)],
+                         ids=["pp1dp2", "pp2dp2-a-stage-without-parameters", "pp1dp4"])
 def test_the_loops_users_write_train_sharded_as_unsharded(pp: int, world: int, request: pytest.FixtureRequest) -> None:
     """zero_grad both ways, an LR scheduler, hyperparameters changed by hand, decay / no-decay groups, a weight left
     out of every group, a frozen bias, layers without parameters (a whole stage of them at pp 2): the user's own
@@ -226,7 +244,8 @@ def _parameterless_stage(rank: int, world: int, shard: bool) -> list[float]:
                                else None).loss for step in range(2)]
 
 
-def test_a_stage_without_parameters_takes_the_plain_optimizer_factory(world2, world4) -> None:  # type: ignore[no-untyped-def]
+def test_a_stage_without_parameters_takes_the_plain_optimizer_factory(  # type: ignore[no-untyped-def]
+        world2, world4) -> None:
     """``lambda ps: AdamW(ps)`` on a rank whose stage holds only an Identity: torch refuses an empty list, the
     engine gives it a placeholder; unsharded at dp 1 and sharded at dp 2 train alike."""
     alone, sharded = world2.run(_parameterless_stage, False), world4.run(_parameterless_stage, True)
