@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ class Config:
     n_layer: int = 4        #: transformer blocks (the layer list has n_layer + 2 entries)
     n_head: int = 4
     n_embd: int = 64
-    dropout: float = 0.0
+    dropout: float = 0.0    #: on the embedding, the attention weights and each residual branch (nanoGPT's places)
     bias: bool = True
 
     def __post_init__(self) -> None:
@@ -35,6 +36,8 @@ class Config:
         for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, k) < 1:
                 raise ValueError(f"gpt {k} must be >= 1 (got {getattr(self, k)})")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"gpt dropout must be in [0, 1) (got {self.dropout})")
 
 
 def presets() -> dict[str, Callable[[], Config]]:
@@ -76,8 +79,11 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+        x = x + self._drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return x + self._drop(self.fc_proj(F.gelu(self.fc(self.ln2(x)))))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class Head(nn.Module):
@@ -136,9 +142,10 @@ def make_source(cfg: Config, data_path: str | None) -> ByteCorpus:
     return ByteCorpus(data_path, block_size=cfg.block_size)
 
 
-def model(preset: str | None = None, data: str | None = None) -> Model:
-    """The trainer's protocol (``--model gpt``, see pipeengine/training/models.py): preset ``tiny`` by default."""
-    cfg = pick_preset("gpt", presets(), preset, "tiny")
+def model(preset: str | None = None, data: str | None = None, dropout: float = 0.0) -> Model:
+    """The trainer's protocol (``--model gpt``, see pipeengine/training/models.py): preset ``tiny`` by default;
+    ``dropout`` (``--dropout``) on the embedding, the attention and each block's residual branches."""
+    cfg = dataclasses.replace(pick_preset("gpt", presets(), preset, "tiny"), dropout=dropout)
     layers = layer_factories(cfg)
     return Model(layers, loss_fn, make_source(cfg, data), tied_parameters(len(layers)),
                  tokens_per_example=cfg.block_size, preset=preset or "tiny")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +24,7 @@ class Config:
     hidden: int = 128     #: width of every hidden block
     depth: int = 8        #: residual blocks between the input and output layers
     out_dim: int = 8      #: regression targets
+    dropout: float = 0.0  #: after each block's activation
 
     def __post_init__(self) -> None:
         for k in ("in_dim", "hidden", "depth", "out_dim"):
@@ -35,18 +37,21 @@ def presets() -> dict[str, Callable[[], Config]]:
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, dim)
+        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.nn.functional.gelu(self.fc(self.norm(x)))
+        h = torch.nn.functional.gelu(self.fc(self.norm(x)))
+        return x + (torch.nn.functional.dropout(h, self.dropout, self.training) if self.dropout else h)
 
 
 def layer_factories(cfg: Config) -> list[Callable[[], nn.Module]]:
     """Input projection, ``depth`` residual blocks, output head: depth + 2 layers, each built on its own."""
-    return ([lambda: nn.Linear(cfg.in_dim, cfg.hidden)] + [lambda: Block(cfg.hidden) for _ in range(cfg.depth)]
+    return ([lambda: nn.Linear(cfg.in_dim, cfg.hidden)]
+            + [lambda: Block(cfg.hidden, cfg.dropout) for _ in range(cfg.depth)]
             + [lambda: nn.Sequential(nn.LayerNorm(cfg.hidden), nn.Linear(cfg.hidden, cfg.out_dim))])
 
 
@@ -70,9 +75,10 @@ def make_source(cfg: Config, data_path: str | None) -> SyntheticRegression:
     return SyntheticRegression(cfg.in_dim, cfg.out_dim)
 
 
-def model(preset: str | None = None, data: str | None = None) -> Model:
-    """The trainer's protocol (``--model mlp``, see pipeengine/training/models.py): preset ``tiny`` by default."""
-    cfg = pick_preset("mlp", presets(), preset, "tiny")
+def model(preset: str | None = None, data: str | None = None, dropout: float = 0.0) -> Model:
+    """The trainer's protocol (``--model mlp``, see pipeengine/training/models.py): preset ``tiny`` by default;
+    ``dropout`` (``--dropout``) after each block's activation."""
+    cfg = dataclasses.replace(pick_preset("mlp", presets(), preset, "tiny"), dropout=dropout)
     layers = layer_factories(cfg)
     return Model(layers, loss_fn, make_source(cfg, data), tied_parameters(len(layers)),
                  tokens_per_example=None, preset=preset or "tiny")

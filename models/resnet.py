@@ -8,6 +8,7 @@ computed per microbatch, so pipelined BatchNorm training is not bit-equal to one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,6 +31,7 @@ class Config:
     num_classes: int = 10
     image_size: int = 32     #: images are resized to image_size x image_size
     norm: str = "batch"      #: batch or group
+    dropout: float = 0.0     #: before the classifier (torchvision's ResNet has none)
 
     def __post_init__(self) -> None:
         if self.arch not in ("resnet18", "resnet50"):
@@ -44,11 +46,13 @@ def presets() -> dict[str, Callable[[], Config]]:
     return {name: functools.partial(Config, **kw) for name, kw in PRESETS["resnet"].items()}
 
 
-def flatten(model: Any) -> list[nn.Module]:
-    """A torchvision ResNet as [stem, block, ..., block, head]."""
+def flatten(model: Any, dropout: float = 0.0) -> list[nn.Module]:
+    """A torchvision ResNet as [stem, block, ..., block, head] (``dropout`` before the classifier, where
+    the head's parameter names stay torchvision's)."""
     stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
     blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
-    head = nn.Sequential(model.avgpool, nn.Flatten(1), model.fc)
+    flat = nn.Sequential(nn.Flatten(1), nn.Dropout(dropout)) if dropout else nn.Flatten(1)
+    head = nn.Sequential(model.avgpool, flat, model.fc)
     return [stem, *blocks, head]
 
 
@@ -80,7 +84,7 @@ def _block(cfg: Config, index: int) -> nn.Module:
     on the default device (``meta`` too while the engine sizes the layers: then nothing is allocated)."""
     target = torch.get_default_device()
     with torch.device("meta"):
-        block = flatten(_torchvision(cfg))[index]
+        block = flatten(_torchvision(cfg), cfg.dropout)[index]
     return _init(block.to_empty(device=target))
 
 
@@ -108,9 +112,10 @@ def make_source(cfg: Config, data_path: str | None) -> ImageSource:
     return ImageSource(data_path, cfg.image_size, cfg.num_classes)
 
 
-def model(preset: str | None = None, data: str | None = None) -> Model:
-    """The trainer's protocol (``--model resnet``, see pipeengine/training/models.py): preset ``tiny`` by default."""
-    cfg = pick_preset("resnet", presets(), preset, "tiny")
+def model(preset: str | None = None, data: str | None = None, dropout: float = 0.0) -> Model:
+    """The trainer's protocol (``--model resnet``, see pipeengine/training/models.py): preset ``tiny`` by default;
+    ``dropout`` (``--dropout``) before the classifier."""
+    cfg = dataclasses.replace(pick_preset("resnet", presets(), preset, "tiny"), dropout=dropout)
     layers = layer_factories(cfg)
     return Model(layers, loss_fn, make_source(cfg, data), tied_parameters(len(layers)),
                  tokens_per_example=None, preset=preset or "tiny")

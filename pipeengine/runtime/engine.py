@@ -5,12 +5,11 @@ plan.py) and interprets its own position's program step by step: a compute step 
 one of its stages (stage.py), a comm step goes to the wire as it is (wire.py). 1F1B, GPipe,
 interleaved and zero-bubble differ only in data.
 
-The end of a step is consensus.py's ([Note: the end of a step]).
+The end of a training step (gradient sync, the decision to step or skip) is update.py's.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -18,24 +17,23 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Action, Costs, Kind, Schedule, Step
-from .agree import on_every_rank
 from .clock import ActionClock, Phase
 from .faults import adaptive_timeout, watch
-from .consensus import Consensus
 from .device import default_device
-from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm, final_gradients
+from .grad_sync import final_gradients
 from .layers import LayerSpec
 from .local import LocalModel
 from .microbatches import read_microbatches
-from .numerics import LossScale, NonFiniteError, nonfinite_message, stop_signal
+from .numerics import NonFiniteError
 from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
 from .plan import Plan, make_plan
 from .results import StepResult, StepState
+from .rng import generator_of, kept, microbatch_key, step_key
 from .stage import LayerChain, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
 from .wire import Wire
-from .zero import ShardedOptimizer
+from .update import Update
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
 
@@ -112,31 +110,22 @@ class PipelineEngine:
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
                    "shard_optimizer": shard_optimizer})
         self.schedule, self.microbatches = self.plan.schedule, self.plan.schedule.microbatches
-        self.loss_fn = loss_fn
+        self.loss_fn, self.seed = loss_fn, seed
+        self.first_microbatch = self.replica * self.microbatches   # this replica's first, counted over the step
         self._build(layers, tied, seed, recompute)
         # a rank whose stages hold no parameters (ReLU, pooling) still has an optimizer for set_lr, schedulers and
         # checkpoints: torch refuses an empty list, so the factory gets one zero-element placeholder, never stepped
         placeholder = [nn.Parameter(torch.empty(0, device=self.device))]
-        self.optimizer = checked_optimizer(optimizer(self.parameters or placeholder))
-        self._setup_sync(bucket_mb, overlap_grad_sync, shard_optimizer and self.topology.dp > 1)
-        self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
-                         self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
-        self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
-        self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
-        self._split = self.schedule.split_backwards()   # (position, microbatch, chunk) whose B is followed by a W
-        self.program: list[Step] = self.schedule.programs[self.position]
-        self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
-        backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
-        self._last_backward = backward[-1] if backward else -1
-        # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
-        self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
-                                        lambda a: self.schedule.releases(self.position, a, self._split))
-                        if self.grad_sync.overlap and self.topology.dp > 1 else {})
-        self.needs_data = any(s.is_first or s.is_last for s in self.stages)
-        self.loss_scale = LossScale(precision == "fp16")
+        self.optimizer: torch.optim.Optimizer = checked_optimizer(optimizer(self.parameters or placeholder))
         self.step_count = 0       # optimizer steps taken (restored from a checkpoint)
         self.stop_request: int | None = None   # a signal this rank got, told to every rank with the next step
-        self.skipped_steps = 0
+        u = self.update = Update(self, bucket_mb, overlap_grad_sync, shard_optimizer and self.topology.dp > 1)
+        self.grad_sync, self.zero, self.consensus, self.loss_scale = u.grad_sync, u.zero, u.consensus, u.loss_scale
+        if self.zero is not None:
+            self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
+        self._take_program(wire)
+        self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
+        self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self._step_times: list[float] = []
         self._steps_run = 0       # steps run by this engine object (the first is start-up)
         self._state = EngineState(self)
@@ -163,25 +152,20 @@ class PipelineEngine:
         self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties
         self.groups = self.local.groups
 
-    def _setup_sync(self, bucket_mb: float, overlap: bool | None, shard: bool) -> None:
-        self.consensus = Consensus(self.topology, self.rank, self.groups, self.plan.num_stages,
-                                   self.schedule.placement(self.plan.num_stages - 1)[0], self.device, self._wait,
-                                   self.watch)
-        self.grad_sync: GradSync = GradSync(
-            self.parameters, self.groups.dp_group, self.topology.dp, self.watch, self.consensus.dp_peers, bucket_mb,
-            self.device.type == "cuda" if overlap is None else overlap, shard=self.replica if shard else None,
-            whole=frozenset(id(p) for mine, _, _ in self.ties.copies for p in mine))
-        self.zero: ShardedOptimizer | None = None   # ZeRO-1 (zero.py)
-        self.gather_in_background = self.device.type == "cuda"   # ZeRO-1: see [Note: sharded optimizer state]
-        self.stepped = self.parameters              # what the optimizer steps (shards under ZeRO-1)
-        if shard:
-            peers = self.consensus.dp_peers
-            self.zero = on_every_rank(lambda: ShardedOptimizer(   # a refusal on one rank is every rank's
-                self.grad_sync, self.optimizer, self.replica, lambda w, what: self._wait(w, what, peers),
-                lambda t, what: self.watch.host_values(t, what, peers)))
-            self.stepped = self.zero.params
-            self.consensus.squares = self.zero.squares
-            self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
+    def _take_program(self, wire: str) -> None:
+        """This position's programs and what interpreting them needs: the wire, where the gradients become final."""
+        self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
+                         self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
+        self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
+        self._split = self.schedule.split_backwards()   # (position, microbatch, chunk) whose B is followed by a W
+        self.program: list[Step] = self.schedule.programs[self.position]
+        self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
+        backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
+        self._last_backward = backward[-1] if backward else -1
+        # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
+        self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
+                                        lambda a: self.schedule.releases(self.position, a, self._split))
+                        if self.grad_sync.overlap and self.topology.dp > 1 else {})
 
     def _global(self, position: int) -> int:
         return self.topology.rank(position, self.replica)
@@ -207,6 +191,11 @@ class PipelineEngine:
         CUDA; the engine waits itself before it reads them)."""
         if self.zero is not None:
             self.zero.ready()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped (``on_nonfinite="skip"``, or an fp16 overflow)."""
+        return self.update.skipped_steps
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group from the next step on."""
@@ -268,56 +257,13 @@ class PipelineEngine:
     # ------------------------------------------------------------------ a training step
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> StepResult:
-        for st in self.stages:
-            st.module.train()
-            st.loss_scale = self.loss_scale.value
-        if not self.grad_sync.prepare():
-            self.optimizer.zero_grad(set_to_none=True)
-        buffers = self.local.saved_buffers() if self.on_nonfinite == "skip" else []
+        buffers = self.update.begin()
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
-        sync_start = self.clock.mark()
-        self.watch.doing = "the end-of-step gradient sync"
-        self.grad_sync.finish()
-        synced = self.clock.mark()
-        self.ties.sum_grads(lambda work, peers: self._wait(work, "the tied-gradient sum", peers))
-        self.loss_scale.unscale(self.stepped)
-        if self.zero is not None:
-            self.zero.reduce_squares()
-        self._decide(result)
-        if result.skipped:
-            self.skipped_steps += result.nonfinite
-            self.local.restore_buffers(buffers)
-        else:
-            clip_grad_norm(self.stepped, self.grad_clip, result.grad_norm or 0.0)
-            if self.zero is not None:   # on CUDA the all-gather overlaps until a stage's next F needs it
-                self.zero.step(defer=self.gather_in_background)
-            else:
-                self.optimizer.step()
-        if self.topology.dp > 1 and self.local.buffers:
-            broadcast_buffers(self.local.buffers, self.topology.rank(self.position, 0), self.groups.dp_group,
-                              lambda w: self._wait(w, "the buffer broadcast", self.consensus.dp_peers))
-        self.clock.add(self.stages[0].index, Phase.SYNC, -1, sync_start, self.clock.mark())
+        self.update.finish(result, buffers)
         result.records = self.clock.records()
         result.step_time = max(r.end for r in result.records)
-        result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
         self.step_count += 1
         return result
-
-    def _decide(self, result: StepResult) -> None:
-        """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""
-        signals = self.consensus.signals(self.stages, self.plan, self.ties.norm_skip, self.stop_request)
-        result.grad_norm = math.sqrt(signals.grad_sq)
-        result.loss, stops = self.consensus.over_replicas(signals.loss, signals.stops)
-        result.stop = stop_signal(stops)
-        overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
-        result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
-        if result.nonfinite and self.on_nonfinite == "stop":
-            raise NonFiniteError(nonfinite_message(
-                self.step_count, signals, result.grad_norm, self.replica,
-                lambda s: f"layers {self.plan.bounds[s]}..{self.plan.bounds[s + 1] - 1}, "
-                          f"rank {self._global(self.schedule.placement(s)[0])}"))
-        result.skipped = overflow or result.nonfinite
-        self.loss_scale.update(overflow)
 
     def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
         self.watch.wait(work, what, peers, cuda=self.device.type == "cuda")
@@ -334,8 +280,10 @@ class PipelineEngine:
         data = (read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank)
                 if self.needs_data else ([], []))
         state = StepState(train, keep_outputs, *data)
+        state.key = step_key(self.seed, self.step_count, train)
         self.wire.begin_step()
-        with cast_cache_scope(self.device, self.precision):   # one low-precision copy per weight and step
+        # one low-precision copy per weight and step; the caller's RNG as it was (rng.py)
+        with cast_cache_scope(self.device, self.precision), kept(generator_of(self.device)):
             for idx, step in enumerate(program):
                 if train and idx in self._arm_at:
                     self.grad_sync.arm(self._arm_at[idx])
@@ -380,7 +328,8 @@ class PipelineEngine:
             else:
                 x = self._receive(state, Kind.RECV_F, a, stage.index, stage.index - 1)
             start = self.clock.mark()
-            out = stage.forward(mb, x, state.targets[mb] if stage.is_last else None, state.train, state.keep_outputs)
+            out = stage.forward(mb, x, state.targets[mb] if stage.is_last else None, state.train, state.keep_outputs,
+                                microbatch_key(state.key, self.first_microbatch + mb))
             if not stage.is_last:
                 self._pass_on(state, Kind.F, a, out, stage.index + 1)
         elif a.kind is Kind.B:

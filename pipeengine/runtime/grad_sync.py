@@ -74,23 +74,7 @@ class GradSync:
         assert shard is None or size > 1, "sharding over one replica"
         if size == 1:
             return
-        limit = int(bucket_mb * 2**20)
-        by_key: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
-        for p in reversed(list(params)):
-            if p.requires_grad:
-                by_key.setdefault((p.dtype, id(p) in whole), []).append(p)
-        for (_, is_whole), ps in by_key.items():
-            bucket: list[nn.Parameter] = []
-            nbytes = 0
-            for p in ps:
-                if bucket and nbytes + p.numel() * p.element_size() > limit:
-                    self.buckets.append(bucket)
-                    bucket, nbytes = [], 0
-                bucket.append(p)
-                nbytes += p.numel() * p.element_size()
-            if bucket:
-                self.buckets.append(bucket)
-            self.whole += [is_whole] * (len(self.buckets) - len(self.whole))
+        self._fill_buckets(params, int(bucket_mb * 2**20), whole)
         if shard is not None:
             self.got = torch.zeros(sum(map(len, self.buckets)), device=self.buckets[0][0].device if self.buckets
                                    else None)
@@ -112,6 +96,26 @@ class GradSync:
             self._flags.append(flat[numel:] if shard is None else flat[:0])
             self._views.append(views)
             slot += len(bucket)
+
+    def _fill_buckets(self, params: Sequence[nn.Parameter], limit: int, whole: frozenset[int]) -> None:
+        """Parameters that train, last first, into buckets of up to ``limit`` bytes of one dtype (and apart:
+        the ``whole`` ones)."""
+        by_key: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+        for p in reversed(list(params)):
+            if p.requires_grad:
+                by_key.setdefault((p.dtype, id(p) in whole), []).append(p)
+        for (_, is_whole), ps in by_key.items():
+            bucket: list[nn.Parameter] = []
+            nbytes = 0
+            for p in ps:
+                if bucket and nbytes + p.numel() * p.element_size() > limit:
+                    self.buckets.append(bucket)
+                    bucket, nbytes = [], 0
+                bucket.append(p)
+                nbytes += p.numel() * p.element_size()
+            if bucket:
+                self.buckets.append(bucket)
+            self.whole += [is_whole] * (len(self.buckets) - len(self.whole))
 
     def shard_of(self, k: int) -> torch.Tensor:
         """This replica's shard of bucket ``k``'s gradients (sharding)."""

@@ -41,7 +41,8 @@ stage's inputs, keeps its data (freeing it would free someone else's).
 
 [Note: recompute]
 ``recompute="full"`` runs the stage's layers as one ``torch.utils.checkpoint`` region
-(non-reentrant, RNG state preserved), so a microbatch keeps only its stage input until its
+(non-reentrant; each layer's random stream is keyed, rng.py, so the recomputation draws F's masks
+without a stashed RNG state), so a microbatch keeps only its stage input until its
 backward recomputes the rest; ``"every:K"`` makes one region of every K consecutive layers. A
 recomputation leaves the region's buffers (BatchNorm's running statistics) as it found them: they
 moved once, in F, as without recompute.
@@ -63,6 +64,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from .backward import (WeightGroup, backward_keeping, backward_weights, custom_functions, run_backward,
                        weight_groups)
 from .options import PRECISIONS, check_choice, parse_recompute
+from .rng import generator_of, layer_seed
 from .tensors import describe_value, detach, device_of, floating, to_float, tree_map
 
 __all__ = ["LayerChain", "LayerError", "Stage", "DTYPES", "cast_cache_scope"]
@@ -83,8 +85,10 @@ class LayerError(ValueError):
 class LayerChain(nn.Module):
     """Layers applied in order, one argument each, exactly as ``nn.Sequential`` does (a tuple stays a tuple).
 
-    ``first`` is the model index of the first layer (for messages). Until the chain has run once,
-    a layer that raises (typically on a shape or dtype it cannot take) raises :class:`LayerError`
+    ``first`` is the model index of the first layer. With a ``key`` (rng.microbatch_key), each layer draws
+    from its own stream: the generator of the input's device is seeded from (key, global layer index)
+    before it runs (see [Note: randomness belongs to the model] in rng.py). Until the chain has run
+    once, a layer that raises (typically on a shape or dtype it cannot take) raises :class:`LayerError`
     naming it and its input; later errors pass unchanged (a bug, not an input that does not fit).
     """
 
@@ -93,15 +97,20 @@ class LayerChain(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.first = first
         self.ran = False
+        self._generator: torch.Generator | None = None
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, key: int | None = None) -> Any:
         if self.ran:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
+                if key is not None:
+                    self._seed(x, key, i)
                 x = layer(x)
             return x
         i = 0
         try:
             for i, layer in enumerate(self.layers):
+                if key is not None:
+                    self._seed(x, key, i)
                 x = layer(x)
             self.ran = True
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
@@ -110,6 +119,12 @@ class LayerChain(nn.Module):
             raise LayerError(f"layer {self.first + i} ({type(self.layers[i]).__name__}) cannot take its input "
                              f"{describe_value(x)}: {(str(exc).splitlines() or [''])[0]}", self.first + i) from exc
         return x
+
+    def _seed(self, x: Any, key: int, i: int) -> None:
+        """Seed layer ``i``'s stream (the generator of the input's device)."""
+        if self._generator is None:
+            self._generator = generator_of(device_of(x, tuple(self.parameters())))
+        self._generator.manual_seed(layer_seed(key, self.first + i))
 
 
 class _BuffersKept:
@@ -233,24 +248,26 @@ class Stage:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.dtype)
 
-    def _layers(self, x: Any) -> Any:
+    def _layers(self, x: Any, key: int | None) -> Any:
         if self.regions is None:
-            return self.module(x)
-        for region in self.regions:
-            x = _checkpoint(region, x, use_reentrant=False, preserve_rng_state=True,
+            return self.module(x, key)
+        for region in self.regions:   # the key is an argument: the recomputation reseeds as F did (rng.py)
+            x = _checkpoint(region, x, key, use_reentrant=False, preserve_rng_state=key is None,
                             context_fn=functools.partial(_recompute_contexts, region))
         return x
 
-    def _run_layers(self, x: Any) -> Any:
+    def _run_layers(self, x: Any, key: int | None) -> Any:
         try:
-            return self._layers(x)
+            return self._layers(x, key)
         except LayerError as exc:
             came = (f" (that input is the output of stage {self.index - 1}, whose last layer is layer "
                     f"{exc.layer - 1})" if not self.is_first and exc.layer == self.module.first else "")
             raise LayerError(f"stage {self.index}: {exc}{came}", exc.layer) from exc.__cause__
 
-    def forward(self, mb: int, x: Any, target: Any, train: bool, keep_output: bool = False) -> Any:
-        """Run F on one argument ``x``; return what to pass on (None on the last stage, which keeps its loss)."""
+    def forward(self, mb: int, x: Any, target: Any, train: bool, keep_output: bool = False,
+                key: int | None = None) -> Any:
+        """Run F on one argument ``x``; return what to pass on (None on the last stage, which keeps its loss).
+        ``key``: the microbatch's random streams (rng.py; None: the generator as it is)."""
         inputs: Tensors = ()
         arrived: _Arrived | None = None
         if not self.is_first and train:   # See [Note: stage boundary detach]
@@ -259,7 +276,7 @@ class Stage:
                 x, inputs = arrived.through(x, self._anchor)
         with torch.set_grad_enabled(train):
             with self._autocast(device_of(x, self.params)):
-                out = self._run_layers(x)
+                out = self._run_layers(x, key)
             if self.is_last:
                 roots = self._loss(mb, out, target, train, keep_output)
             else:   # passed on in the dtype the unsplit model has here (see [Note: stage boundary dtype])

@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 from ..runtime.options import check_grad_clip, check_timeout, parse_recompute
 
-__all__ = ["BUILTIN_MODELS", "model_spec", "Check", "at_least", "finite", "seed", "grad_clip", "recompute", "timeout",
-           "partition", "partition_arg"]
+__all__ = ["BUILTIN_MODELS", "model_spec", "Check", "at_least", "finite", "probability", "seed", "grad_clip",
+           "recompute", "timeout", "partition", "partition_arg"]
 
 BUILTIN_MODELS = ("gpt", "resnet", "mlp")
 Check = Callable[[str, Any], Any]   # (the setting's name as the user knows it, value) -> value, or ValueError
@@ -44,6 +44,13 @@ def finite(low: float = -math.inf, *, above: bool = False, what: str = "number")
             raise ValueError(f"{name} must be {wanted} (got {value:g})")
         return value
     return check
+
+
+def probability(name: str, value: Any) -> Any:
+    """A probability of dropping an element: 0 <= p < 1 (None: the model's own)."""
+    if value is not None and not 0 <= value < 1:
+        raise ValueError(f"{name} must be at least 0 and below 1 (got {value:g})")
+    return value
 
 
 def seed(name: str, value: Any) -> Any:

@@ -52,7 +52,11 @@ class ModelConfig:
                                "pipeengine.Model (see README: your own model)", flag="--model", check=checks.model_spec,
                         metavar="NAME|MODULE:FUNCTION")
     preset: str | None = setting(None, "the model's named size (None: its default, tiny for the built-ins)")
-    seed: int = setting(1234, "seed of the weights and the data order", check=checks.seed)
+    seed: int = setting(1234, "seed of the weights, the data order and every layer's random stream (dropout masks "
+                              "keyed to layer, microbatch and step: the same whatever the layout)", check=checks.seed)
+    dropout: float | None = setting(None, "dropout probability, for a model whose function takes dropout= (the "
+                                          "built-ins do; None: the model's own, 0 for the built-ins)",
+                                    check=checks.probability, metavar="P")
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Which model a run trains: ``--model NAME`` (a built-in) or ``--model package.module:function`` (yours).
 
 The protocol: ``function(preset, data)`` returns a :class:`Model`. ``preset`` is ``--preset`` (None
-when not given: pick your default) and ``data`` is ``--data`` (None: your default data). Raise
-``ValueError`` for a preset or data you cannot use; the message is shown as it is. For example::
+when not given: pick your default) and ``data`` is ``--data`` (None: your default data); a function
+that also takes ``dropout`` gets ``--dropout`` when it is given. Raise ``ValueError`` for a preset or
+data you cannot use; the message is shown as it is. For example::
 
     def my_model(preset: str | None, data: str | None) -> pipeengine.Model:
         width = {"small": 256, "large": 1024}[preset or "small"]
@@ -17,6 +18,7 @@ same protocol: ``--model gpt`` is ``--model pipeengine.models.gpt:model``.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -80,11 +82,24 @@ def _function(spec: str) -> Callable[..., Any]:
     return fn   # type: ignore[no-any-return]
 
 
-def load_model(spec: str, preset: str | None, data: str | None) -> Model:
-    """The :class:`Model` that ``--model spec`` names, checked; a ValueError says what is wrong with it."""
-    fn = _function(spec)
+def _takes(fn: Callable[..., Any], name: str) -> bool:
     try:
-        model = fn(preset, data)
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):   # a builtin without a signature: try it
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def load_model(spec: str, preset: str | None, data: str | None, dropout: float | None = None) -> Model:
+    """The :class:`Model` that ``--model spec`` names, checked; a ValueError says what is wrong with it.
+    ``dropout`` (``--dropout``, None: not given) goes to the function as ``dropout=``."""
+    fn = _function(spec)
+    options = {} if dropout is None else {"dropout": dropout}
+    if options and not _takes(fn, "dropout"):
+        raise ValueError(f"--dropout: --model {spec!r} takes no dropout (its function has no dropout parameter); "
+                         f"give it one, function(preset, data, dropout=0.0), or leave --dropout out")
+    try:
+        model = fn(preset, data, **options)
     except ValueError:
         raise
     except TypeError as exc:

@@ -77,7 +77,7 @@ class Trainer:
         def check() -> tuple[Topology, Model]:
             topo = cfg.resolve(self.world)
             torch.manual_seed(cfg.model.seed)   # a model whose data is drawn at random draws it alike on every rank
-            model = load_model(cfg.model.name, cfg.model.preset, cfg.data.path)
+            model = load_model(cfg.model.name, cfg.model.preset, cfg.data.path, cfg.model.dropout)
             if model.data is None:
                 raise ValueError(f"--model {cfg.model.name!r} gives no data (Model.data is None): the trainer needs "
                                  f"examples by index; see README: your own model")

@@ -1,5 +1,6 @@
 """Bitwise the same whatever the split: at a fixed dp, losses and parameters do not depend on pp, the schedule
-or the partition (fp32 and bf16). A GPT with its LM head tied to the embedding, the gradient norm clipped."""
+or the partition (fp32, bf16, and with dropout: each layer's masks are keyed to the model, rng.py). A GPT with its
+LM head tied to the embedding, the gradient norm clipped."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, pre
     from pipeengine.models import gpt
     from pipeengine.runtime.engine import PipelineEngine
     from pipeengine.runtime.topology import Topology
-    cfg = gpt.Config(block_size=16, n_layer=6, n_head=2, n_embd=32)
+    precision, _, dropout = precision.partition("-")
+    cfg = gpt.Config(block_size=16, n_layer=6, n_head=2, n_embd=32, dropout=0.2 if dropout else 0.0)
     layers = gpt.layer_factories(cfg)
     engine = PipelineEngine(layers, gpt.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                             topology=Topology(world, 1), schedule=schedule, microbatches=M, chunks=chunks,
@@ -40,7 +42,7 @@ def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, pre
     return {"losses": losses, "params": params}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-dropout"])
 def test_losses_and_parameters_are_bitwise_the_same_at_every_split(
         precision: str, request: pytest.FixtureRequest) -> None:
     runs = {}

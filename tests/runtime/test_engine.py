@@ -42,6 +42,9 @@ WORLD2: list[Case] = [
       for sched in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")],
     # DP all-reduce inside backward (default) == after it, bitwise; many small buckets
     *[case("tied", "adam", "1f1b", 1, 2, 4, overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)],
+    # dropout: each layer's masks keyed to (layer, global microbatch, step), equal to one process drawing the same
+    case("dropout", "adam", "1f1b", 2, 1, 4), case("dropout", "sgd", "zb-h1", 1, 2, 2),
+    case("dropout", "adam", "zbv", 2, 1, 4, recompute="full", **TWO),
     # the second stage's first op is in place (on the received input), as it may be unpipelined
     *[case("inplace", "adam", sched, 2, 1, 4, partition=(0, 5, 10)) for sched in ("1f1b", "zb-h1")],
 ]
@@ -56,6 +59,7 @@ WORLD4: list[Case] = [
     case("mlp", "adam", "interleaved-zb", 2, 2, 4, **TWO),
     case("mlp", "adam", "dualpipev", 2, 2, 8, **TWO, **SMALL_BUCKETS),   # in-backward all-reduce after a full B or W
     case("mlp", "sgd", "1f1b", 4, 1, 8, wire="tags"),
+    case("dropout", "adam", "interleaved-1f1b", 2, 2, 2, **TWO), case("dropout", "adam", "dualpipev", 4, 1, 8, **TWO),
     *[c.but(overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)
       for c in (case("mlp", "sgd", "1f1b", 2, 2, 4), case("mlp", "adam", "zb-h1", 2, 2, 4),
                 case("mlp", "sgd", "interleaved-1f1b", 2, 2, 4, **TWO))],

@@ -233,3 +233,17 @@ def test_schedule_auto_trains_the_same_losses_as_1f1b_with_the_schedule_it_chose
     assert auto["losses"] == plain["losses"]
     assert auto["schedule_run"] in ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "interleaved-zb", "zbv", "v-half",
                                     "v-min", "dualpipev", "auto") and auto["config"]["schedule"]["name"] == "auto"
+
+
+@pytest.mark.timeout(150)
+def test_dropout_masks_belong_to_the_model_not_to_the_layout(tmp_path: Path, world1: Any, world2: Any) -> None:
+    """--dropout: pp 2 draws the masks one process draws (bitwise the same losses); two replicas draw the masks of
+    their own microbatches, so dp 2 trains as dp 1 on the same global batch (to float round-off)."""
+    common = ["--model", "mlp", "--steps", "3", "--dropout", "0.3", "-b", "4", "--global-batch", "32", "--quiet",
+              "--log-dir", str(tmp_path), "--eval-interval", "0", "--timeline-interval", "0", "--partition", "uniform"]
+    one = world1.run(_train, [*common, "--pp", "1"])[0]["losses"]
+    two_positions = world2.run(_train, [*common, "--pp", "2"])[0]["losses"]
+    two_replicas = world2.run(_train, [*common, "--pp", "1"])[0]["losses"]
+    plain = world1.run(_train, [*common, "--pp", "1", "--dropout", "0"])[0]["losses"]
+    assert two_positions == one and plain != one
+    torch.testing.assert_close(torch.tensor(two_replicas), torch.tensor(one), rtol=1e-5, atol=0)

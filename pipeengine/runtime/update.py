@@ -1,0 +1,113 @@
+"""The end of a training step on one rank: gradients synced, tied, measured, then a step or a skip alike everywhere.
+
+After its program (engine.py) a rank waits for its data-parallel gradient sync (grad_sync.py; ZeRO-1's
+reduce-scatter, zero.py), sums tied copies (ties.py), unscales an fp16 loss scale, and joins the one
+all-reduce over the pipeline (consensus.py, [Note: the end of a step]); every rank then takes the same
+decision: step (clipping to the global norm), skip (``on_nonfinite="skip"``: parameters, optimizer
+state and buffers unchanged) or raise :class:`NonFiniteError` naming the first stage that went
+non-finite. Replicas then take replica 0's buffers (BatchNorm statistics), as DDP does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from .agree import on_every_rank
+from .clock import Phase
+from .consensus import Consensus
+from .grad_sync import GradSync, broadcast_buffers, clip_grad_norm
+from .numerics import LossScale, NonFiniteError, nonfinite_message, stop_signal
+from .results import StepResult
+from .zero import ShardedOptimizer
+
+if TYPE_CHECKING:
+    from .engine import PipelineEngine
+
+__all__ = ["Update"]
+
+
+class Update:
+    """One rank's end of a training step (see the module docstring): its gradient sync, optional ZeRO-1, the
+    end-of-step collectives and the fp16 loss scale. Made once by the engine, after its stages and optimizer."""
+
+    def __init__(self, engine: PipelineEngine, bucket_mb: float, overlap: bool | None, shard: bool) -> None:
+        e = self.engine = engine
+        self.consensus = Consensus(e.topology, e.rank, e.groups, e.plan.num_stages,
+                                   e.schedule.placement(e.plan.num_stages - 1)[0], e.device, self._wait, e.watch)
+        self.grad_sync = GradSync(
+            e.parameters, e.groups.dp_group, e.topology.dp, e.watch, self.consensus.dp_peers, bucket_mb,
+            e.device.type == "cuda" if overlap is None else overlap, shard=e.replica if shard else None,
+            whole=frozenset(id(p) for mine, _, _ in e.ties.copies for p in mine))
+        self.loss_scale = LossScale(e.precision == "fp16")
+        self.skipped_steps = 0
+        self.zero: ShardedOptimizer | None = None   # ZeRO-1 (zero.py)
+        self.gather_in_background = e.device.type == "cuda"   # ZeRO-1: see [Note: sharded optimizer state]
+        self.stepped: Sequence[torch.nn.Parameter] = e.parameters   # what clipping scales (shards under ZeRO-1)
+        if shard:
+            peers = self.consensus.dp_peers
+            self.zero = on_every_rank(lambda: ShardedOptimizer(   # a refusal on one rank is every rank's
+                self.grad_sync, e.optimizer, e.replica, lambda w, what: self._wait(w, what, peers),
+                lambda t, what: e.watch.host_values(t, what, peers)))
+            self.stepped = self.zero.params
+            self.consensus.squares = self.zero.squares
+
+    def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
+        self.engine.watch.wait(work, what, peers, cuda=self.engine.device.type == "cuda")
+
+    def begin(self) -> list[torch.Tensor]:
+        """Before the program: gradients zeroed (in the buckets), the loss scale on every stage; the buffers to put
+        back if the step is skipped."""
+        e = self.engine
+        for st in e.stages:
+            st.module.train()
+            st.loss_scale = self.loss_scale.value
+        if not self.grad_sync.prepare():
+            e.optimizer.zero_grad(set_to_none=True)
+        return e.local.saved_buffers() if e.on_nonfinite == "skip" else []
+
+    def finish(self, result: StepResult, buffers: list[torch.Tensor]) -> None:
+        """After the program: sync, decide, step or skip (``buffers``: what :meth:`begin` saved)."""
+        e = self.engine
+        sync_start = e.clock.mark()
+        e.watch.doing = "the end-of-step gradient sync"
+        self.grad_sync.finish()
+        synced = e.clock.mark()
+        e.ties.sum_grads(lambda work, peers: self._wait(work, "the tied-gradient sum", peers))
+        self.loss_scale.unscale(self.stepped)
+        if self.zero is not None:
+            self.zero.reduce_squares()
+        self._decide(result)
+        if result.skipped:
+            self.skipped_steps += result.nonfinite
+            e.local.restore_buffers(buffers)
+        else:
+            clip_grad_norm(self.stepped, e.grad_clip, result.grad_norm or 0.0)
+            if self.zero is not None:   # on CUDA the all-gather overlaps until a stage's next F needs it
+                self.zero.step(defer=self.gather_in_background)
+            else:
+                e.optimizer.step()
+        if e.topology.dp > 1 and e.local.buffers:
+            broadcast_buffers(e.local.buffers, e.topology.rank(e.position, 0), e.groups.dp_group,
+                              lambda w: self._wait(w, "the buffer broadcast", self.consensus.dp_peers))
+        e.clock.add(e.stages[0].index, Phase.SYNC, -1, sync_start, e.clock.mark())
+        result.grad_sync_wait = e.clock.elapsed(synced) - e.clock.elapsed(sync_start)
+
+    def _decide(self, result: StepResult) -> None:
+        """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""
+        e = self.engine
+        signals = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request)
+        result.grad_norm = math.sqrt(signals.grad_sq)
+        result.loss, stops = self.consensus.over_replicas(signals.loss, signals.stops)
+        result.stop = stop_signal(stops)
+        overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
+        result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
+        if result.nonfinite and e.on_nonfinite == "stop":
+            raise NonFiniteError(nonfinite_message(
+                e.step_count, signals, result.grad_norm, e.replica,
+                lambda s: f"layers {e.plan.bounds[s]}..{e.plan.bounds[s + 1] - 1}, "
+                          f"rank {e.topology.rank(e.schedule.placement(s)[0], e.replica)}"))
+        result.skipped = overflow or result.nonfinite
+        self.loss_scale.update(overflow)
