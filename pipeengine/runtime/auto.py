@@ -46,6 +46,7 @@ class AutoChoice:
     memory: list[float]   # estimated peak bytes per position (as the planner estimates them)
     candidates: dict[str, float | None] = field(default_factory=dict)
     fill: float = 0.0     # fill_bound: >= bound, still below every schedule of this split and placement
+    library: str = ""     # the library schedule of this placement and split (what other microbatch counts run)
 
     @property
     def gap(self) -> float:
@@ -170,8 +171,9 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
         raise PartitionError(f"no schedule fits: every library schedule and every synthesised one needs more "
                              f"memory than the cap of {(memory_cap or 0) / 2**30:.2f} GiB per position; raise "
                              f"--memory-cap, use more pipeline positions or recompute (--recompute full)")
-    makespan, _, sched, choice = min(results, key=lambda r: (r[0], r[1]))
+    makespan, name, sched, choice = min(results, key=lambda r: (r[0], r[1]))
     bound = lower_bound(choice.stage_costs, sched, microbatches, comm)
+    library = name if name in chosen else next(n for n, (c, _) in chosen.items() if c is choice)
     return AutoChoice(sched, list(choice.bounds), list(choice.stage_costs), makespan, bound,
                       _memory(choice.bounds, sched, costs, state_factor), candidates,
-                      fill_bound(choice.stage_costs, sched, microbatches, comm))
+                      fill_bound(choice.stage_costs, sched, microbatches, comm), library)

@@ -1,4 +1,4 @@
-"""The collectives that end a step: one all-reduce over the pipeline, and the loss averaged over replicas.
+"""The collectives that end a step: one all-reduce over the pipeline, and the loss summed over replicas.
 
 [Note: the end of a step]
 The DP all-reduce of a rank's gradients is posted bucket by bucket, asynchronously: on CUDA from
@@ -7,7 +7,8 @@ backward (B or W) in the rank's program, so it overlaps the cooldown of the othe
 awaited after the program ends. Tied copies are then summed over their tie group. One all-reduce
 over the pipeline then carries the squared gradient norm (once per logical parameter), the loss
 and, per stage, whether its outputs or gradients went non-finite (numerics.SignalVector); the loss
-is averaged over the replicas. Every rank thus takes the same decision: step, skip
+is summed over the replicas (each microbatch's loss was divided by the step's microbatches over every
+replica: the sum is the global batch's mean). Every rank thus takes the same decision: step, skip
 (``on_nonfinite="skip"``: parameters, optimizer state and buffers unchanged) or raise
 ``NonFiniteError`` naming the first stage that went non-finite (``"stop"``). Every wait is timed
 and watched (faults.py).
@@ -67,17 +68,17 @@ class Consensus:
         return vec.decode(lambda t: self.watch.host_values(t, "the end-of-step all-reduce", self.pp_peers))
 
     def over_replicas(self, replica_loss: float, stops: Sequence[float] = ()) -> tuple[float, list[float]]:
-        """The loss averaged over the replicas, and the stop requests summed over them (one all-reduce)."""
+        """The step's loss, summed over the replicas, and the stop requests summed over them (one all-reduce)."""
         if self.topology.dp == 1:
             return replica_loss, list(stops)
         value = torch.tensor([replica_loss, *stops], dtype=torch.float64, device=self.device)
         self.wait(dist.all_reduce(value, group=self.groups.dp_group, async_op=True), "the loss all-reduce",
                   self.dp_peers)
         total, *summed = self.watch.host_values(value, "the loss all-reduce", self.dp_peers)
-        return total / self.topology.dp, summed
+        return total, summed
 
     def eval_loss(self, last: Stage) -> float:
-        """Mean loss of an eval step on every rank: summed on the last stage, shared, averaged over DP."""
+        """Mean loss of an eval step on every rank: summed on the last stage, shared, summed over DP."""
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if last.is_last:
             value += torch.stack(last.losses).double().sum()

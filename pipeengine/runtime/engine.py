@@ -51,7 +51,8 @@ class PipelineEngine:
         topology: the PP x DP grid (default: all ranks in one pipeline).
         plan: a :class:`Plan` made with :func:`make_plan`; without one, the engine makes it from the
             planning arguments ``schedule`` (a name from ``SCHEDULES``, "auto", or a compiled
-            :class:`Schedule`), ``microbatches`` (per step and replica), ``chunks`` (stages per position;
+            :class:`Schedule`), ``microbatches`` (per step and replica, or one count per replica: see
+            [Note: uneven replicas] in update.py), ``chunks`` (stages per position;
             None: the schedule's own),
             ``partition`` ("profile", "parameters", "uniform" or explicit bounds), ``sample``,
             ``memory_cap`` and ``costs``: plan.py's :func:`make_plan` documents each.
@@ -78,7 +79,8 @@ class PipelineEngine:
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                  topology: Topology | None = None, plan: Plan | None = None, schedule: str | Schedule = "1f1b",
-                 microbatches: int = 4, chunks: int | None = None, partition: str | Sequence[int] = "parameters",
+                 microbatches: int | Sequence[int] = 4, chunks: int | None = None,
+                 partition: str | Sequence[int] = "parameters",
                  sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, costs: Costs | None = None,
                  tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
@@ -100,18 +102,24 @@ class PipelineEngine:
         self.watch = watch()
         self._fixed_timeout = timeout
         self.watch.timeout = timeout or STARTUP_TIMEOUT
+        if isinstance(schedule, Schedule) and isinstance(microbatches, int):   # a compiled schedule says its own
+            microbatches = schedule.microbatches
+        counts = _replica_counts(microbatches, self.topology.dp)
         self.plan = plan or make_plan(
-            layers, self.topology.pp, schedule=schedule, microbatches=microbatches, chunks=chunks,
+            layers, self.topology.pp, schedule=schedule, microbatches=counts, chunks=chunks,
             partition=partition, costs=costs, sample=sample, memory_cap=memory_cap, seed=seed, precision=precision,
             loss_fn=loss_fn, device=self.device, validate_schedule=validate_schedule,
             agree={"pp x dp": (self.topology.pp, self.topology.dp), "schedule": getattr(schedule, "name", schedule),
-                   "microbatches": microbatches, "chunks": chunks, "partition": partition, "precision": precision,
+                   "microbatches": counts, "chunks": chunks, "partition": partition, "precision": precision,
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
                    "shard_optimizer": shard_optimizer})
-        self.schedule, self.microbatches = self.plan.schedule, self.plan.schedule.microbatches
+        self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
+        self.microbatches = self.schedule.microbatches   # this replica's
+        counts = list(self.plan.counts or [self.microbatches] * self.topology.dp)
+        self.total_microbatches = sum(counts)            # over every replica: the loss divides by it
+        self.first_microbatch = sum(counts[:self.replica])   # this replica's first, counted over the step
         self.loss_fn, self.seed = loss_fn, seed
-        self.first_microbatch = self.replica * self.microbatches   # this replica's first, counted over the step
         self._build(layers, tied, seed, recompute)
         # a rank whose stages hold no parameters (ReLU, pooling) still has an optimizer for set_lr, schedulers and
         # checkpoints: torch refuses an empty list, so the factory gets one zero-element placeholder, never stepped
@@ -123,7 +131,7 @@ class PipelineEngine:
         self.grad_sync, self.zero, self.consensus, self.loss_scale = u.grad_sync, u.zero, u.consensus, u.loss_scale
         if self.zero is not None:
             self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
-        self._take_program(wire)
+        self._take_program(wire, eval_schedule)
         self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self._step_times: list[float] = []
@@ -146,20 +154,20 @@ class PipelineEngine:
     def _build(self, specs: Sequence[LayerSpec], tied: Sequence[Sequence[tuple[int, str]]], seed: int,
                recompute: str) -> None:
         def make_stage(module: LayerChain, index: int) -> Stage:
-            return Stage(module, index, self.plan.num_stages, self.loss_fn, self.microbatches, recompute,
+            return Stage(module, index, self.plan.num_stages, self.loss_fn, self.total_microbatches, recompute,
                          self.precision)
         self.local = LocalModel(self.plan, specs, self.topology, self.rank, tied, seed, self.device, make_stage)
         self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties
         self.groups = self.local.groups
 
-    def _take_program(self, wire: str) -> None:
+    def _take_program(self, wire: str, eval_schedule: Schedule) -> None:
         """This position's programs and what interpreting them needs: the wire, where the gradients become final."""
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
         self._split = self.schedule.split_backwards()   # (position, microbatch, chunk) whose B is followed by a W
         self.program: list[Step] = self.schedule.programs[self.position]
-        self.eval_program: list[Step] = self.plan.eval_schedule.programs[self.position]
+        self.eval_program: list[Step] = eval_schedule.programs[self.position]
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
         self._last_backward = backward[-1] if backward else -1
         # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
@@ -351,3 +359,13 @@ class PipelineEngine:
         state.computed = a.kind.is_compute
         self.clock.add(stage.index, Phase(a.kind.value) if state.computed else Phase.COMM, mb, start, self.clock.mark())
         self.wire.poll()
+
+
+def _replica_counts(microbatches: int | Sequence[int], dp: int) -> list[int]:
+    """Every replica's microbatch count: ``microbatches`` for each, or the list given (one per replica)."""
+    if isinstance(microbatches, int) and not isinstance(microbatches, bool):
+        return [microbatches] * dp
+    counts = list(microbatches) if isinstance(microbatches, Sequence) else []
+    if len(counts) != dp:
+        raise ValueError(f"microbatches must be a number, or a count per replica ({dp} of them); got {microbatches!r}")
+    return counts

@@ -15,7 +15,9 @@ __all__ = ["GradSync", "final_gradients", "broadcast_buffers", "clip_grad_norm"]
 
 
 class GradSync:
-    """Mean of gradients over a stage's DP group, in flat buckets that start while backward still runs.
+    """Sum of gradients over a stage's DP group, in flat buckets that start while backward still runs (each
+    microbatch's loss is already divided by the step's microbatches over every replica: the sum is the mean
+    over the global batch, also when replicas take uneven shares, [Note: uneven replicas] in update.py).
 
     [Note: gradient all-reduce inside backward]
     The gradients live in one contiguous buffer per bucket: ``prepare()`` (each train step, instead
@@ -27,7 +29,7 @@ class GradSync:
     then counts it; a bucket whose parameters are all final is all-reduced at once,
     asynchronously, always in bucket order (every replica posts the same collectives in the same
     order, as NCCL requires). ``start()`` after the rank's last backward posts the buckets still
-    waiting (parameters that got no gradient), ``finish()`` waits and divides in place. The
+    waiting (parameters that got no gradient), ``finish()`` waits for them. The
     values are those of an all-reduce at the end of the step, bit for bit: only the time changes.
     ``overlap=False`` posts every bucket in ``start()``.
 
@@ -179,7 +181,6 @@ class GradSync:
         self.start()
         for k, (flat, work) in enumerate(zip(self.flats, self._works)):
             self.watch.wait(work, "the data-parallel gradient all-reduce", self.peers, cuda=flat.is_cuda)
-            (flat if self.shard is None or self.whole[k] else self.shard_of(k)).div_(self.size)
         self._works = []
         self._armed.clear()
         if self.shard is not None:

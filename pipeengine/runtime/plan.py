@@ -44,6 +44,10 @@ class Plan:
     choice: Choice | None = field(default=None, compare=False)
     param_counts: tuple[int, ...] = ()   # parameter tensors per layer (the norm's fixed order, numerics.py)
     auto: AutoChoice | None = field(default=None, compare=False)   # what schedule "auto" chose, and from what
+    # [Note: uneven replicas] microbatches per replica when they differ (() : every replica runs ``schedule``), and
+    # the (training, evaluation) schedules of the other counts: the same kind, placement, chunks and split
+    counts: tuple[int, ...] = ()
+    others: Mapping[int, tuple[Schedule, Schedule]] = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -62,12 +66,19 @@ class Plan:
     def position_of_layer(self, layer: int) -> int:
         return self.schedule.placement(self.stage_of_layer(layer))[0]
 
+    def schedules_of(self, replica: int) -> tuple[Schedule, Schedule]:
+        """Replica ``replica``'s training and evaluation schedules (its own microbatch count)."""
+        if not self.counts or self.counts[replica] == self.schedule.microbatches:
+            return self.schedule, self.eval_schedule
+        return self.others[self.counts[replica]]
+
     def stages_at(self, position: int) -> list[int]:
         """The stages ``position`` runs, by chunk."""
         return [self.schedule.stage(position, c) for c in range(self.schedule.chunks)]
 
 
-def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule = "1f1b", microbatches: int = 4,
+def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule = "1f1b",
+              microbatches: int | Sequence[int] = 4,
               chunks: int | None = None, partition: str | Sequence[int] = "parameters", costs: Costs | None = None,
               sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, seed: int = 0,
               precision: str = "fp32", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -80,8 +91,9 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         schedule: a name (see ``SCHEDULES``), "auto" (the schedule and the split chosen together from the
             measured costs, auto.py; needs ``partition="profile"``), or a compiled :class:`Schedule`
             (proven first unless ``validate_schedule`` is False: only to test faults).
-        microbatches: per step and replica; ``chunks``: stages per position (None: the schedule's own, 2 for
-            the interleaved and V ones).
+        microbatches: per step and replica, or a count per replica (see [Note: uneven replicas]: the plan is
+            made for the largest, the other counts get the same kind of schedule on the same split);
+            ``chunks``: stages per position (None: the schedule's own, 2 for the interleaved and V ones).
         partition: "profile" (measure every layer's F, B and W on ``sample``, in parallel over the
             ranks, and take the bounds whose simulated step with this schedule is shortest),
             "parameters", "uniform", or explicit bounds ``[0, b1, ..., len(layers)]``.
@@ -93,6 +105,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
             collective).
     """
     auto = schedule == "auto" and pp > 1
+    counts = _counts(microbatches, schedule)
+    microbatches = max(counts)
     compiled = _compiled(schedule, pp, microbatches, chunks, costs, validate_schedule, partition)
     sizing = sizing_layers(layers)
     _check_same_everywhere(seed, sizing, dict(agree or {}))
@@ -125,8 +139,35 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
     eval_schedule = compile_schedule("forward", pp, compiled.microbatches, compiled.chunks,
                                      placement=compiled.placement_kind)
-    counts = tuple(len(list(m.parameters())) for m in sizing)
-    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, counts, chosen)
+    kind = chosen.library if chosen is not None else compiled.name   # what the other counts run
+    others = {c: (_other_count(kind, pp, c, compiled.chunks, costs),
+                  compile_schedule("forward", pp, c, compiled.chunks, placement=compiled.placement_kind))
+              for c in set(counts) - {microbatches}}
+    params = tuple(len(list(m.parameters())) for m in sizing)
+    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, params, chosen,
+                tuple(counts) if others else (), others)
+
+
+def _other_count(kind: str, pp: int, microbatches: int, chunks: int, costs: Costs | None) -> Schedule:
+    """Schedule ``kind`` for another replica's microbatch count; interleaved-1f1b, which needs a multiple of pp,
+    gives way to interleaved-zb there (the same placement and stages)."""
+    try:
+        return compile_schedule(kind, pp, microbatches, chunks, costs)
+    except ValueError:
+        if kind != "interleaved-1f1b":
+            raise
+        return compile_schedule("interleaved-zb", pp, microbatches, chunks, costs)
+
+
+def _counts(microbatches: int | Sequence[int], schedule: str | Schedule) -> list[int]:
+    """The microbatch count of every replica (one, for all, if ``microbatches`` is a number)."""
+    counts = [microbatches] if isinstance(microbatches, int) else list(microbatches)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"microbatches must be a whole number >= 1, or one per replica (got {microbatches!r})")
+    if isinstance(schedule, Schedule) and set(counts) != {schedule.microbatches}:
+        raise ValueError(f"the compiled schedule given runs {schedule.microbatches} microbatches, but the replicas "
+                         f"take {sorted(set(counts))}: give a schedule name, or the same count to every replica")
+    return counts
 
 
 def _compiled(schedule: str | Schedule, pp: int, microbatches: int, chunks: int | None, costs: Costs | None,

@@ -219,7 +219,7 @@ class Stage:
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.loss_fn = loss_fn
-        self.microbatches = microbatches
+        self.microbatches = microbatches        # of the whole step, over every replica: each loss divides by it
         self.dtype = DTYPES[precision]          # autocast dtype; None: fp32 throughout
         self.loss_scale = 1.0                   # fp16: the engine's dynamic loss scale
         per = parse_recompute(recompute)
@@ -294,7 +294,8 @@ class Stage:
         return passed
 
     def _loss(self, mb: int, out: Any, target: Any, train: bool, keep_output: bool) -> Tensors:
-        """The last stage's loss of microbatch ``mb``, kept (divided by the microbatch count); the backward roots."""
+        """The last stage's loss of microbatch ``mb``, kept (divided by the step's microbatches over every replica);
+        the backward roots."""
         out_f = to_float(out)
         loss = self.loss_fn(out_f, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -6,6 +6,15 @@ all-reduce over the pipeline (consensus.py, [Note: the end of a step]); every ra
 decision: step (clipping to the global norm), skip (``on_nonfinite="skip"``: parameters, optimizer
 state and buffers unchanged) or raise :class:`NonFiniteError` naming the first stage that went
 non-finite. Replicas then take replica 0's buffers (BatchNorm statistics), as DDP does.
+
+[Note: uneven replicas]
+A step is a fixed set of examples, whatever dp. Replicas may take different numbers of equal-size
+microbatches (a global batch of 16 microbatches over dp 3: 6, 5 and 5), each running the plan's
+schedule for its own count (plan.py: the same kind, placement and split). Each microbatch's loss is
+divided by the step's microbatches over every replica, and the gradients and losses are summed over
+the replicas (never averaged): the step is the mean over the global batch, as one process computes it,
+up to the order of the additions. At even dp this is the usual mean (dividing by dp x m, a power of
+two dp giving the same bits as the mean of the replicas' means).
 """
 
 from __future__ import annotations
