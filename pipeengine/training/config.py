@@ -30,6 +30,7 @@ __all__ = ["Config", "ModelConfig", "DataConfig", "ParallelConfig", "ScheduleCon
            "settings", "flat_config", "MODELS", "TRAINING_SCHEDULES"]
 
 MODELS = BUILTIN_MODELS
+Replan = Callable[[int, int, int], tuple[int, str]]   # (world, --pp, chunks) -> (pp, why): elastic.py
 TRAINING_SCHEDULES = (*(s for s in SCHEDULES if s != "forward"), "auto")
 
 
@@ -65,9 +66,10 @@ class DataConfig:
 
     path: str | None = setting(None, "gpt: a text file or folder; resnet: an ImageFolder root (None: a byte "
                                      "corpus / FakeData made locally)", flag="--data")
-    global_batch: int | None = setting(None, "examples per optimizer step over all replicas, whatever pp x dp (None: "
-                                             "32, or dp x -m x -b when both are given; a resumed run keeps its "
-                                             "checkpoint's)", check=at_least(1, "a positive number of examples"))
+    global_batch: int | None = setting(None, "examples per optimizer step over all replicas, whatever pp x dp; dp "
+                                             "need not divide it (None: 32, or dp x 2pp if more, or dp x -m x -b "
+                                             "when both are given; a resumed run keeps its checkpoint's)",
+                                       check=at_least(1, "a positive number of examples"))
     micro_batch_size: int | None = setting(None, "examples per microbatch (None: what the global batch and "
                                                  "--microbatches leave)", short="-b", check=at_least(1))
     workers: int | None = setting(None, "processes reading ahead on each rank that reads data (torch.utils.data."
@@ -102,8 +104,10 @@ class ScheduleConfig:
                         choices=TRAINING_SCHEDULES)
     chunks: int = setting(0, "stages per position (0: the schedule's own, 2 for the interleaved and V ones, else 1)",
                           check=at_least(0))
-    microbatches: int | None = setting(None, "microbatches per step per replica (None: 4 when the global batch "
-                                             "allows, or what it and -b leave)", short="-m", check=at_least(1))
+    microbatches: int | None = setting(None, "microbatches per step per replica, the most when dp does not divide "
+                                             "them (None: at least max(4, 2 x pp) when the global batch allows, "
+                                             "in the largest microbatches that give as many)", short="-m",
+                                       check=at_least(1))
     partition: str = setting("profile", "stage bounds: profile (time every layer's F, B and W on the first "
                                         "microbatch, in parallel over the ranks, and take the split whose simulated "
                                         "step is shortest; printed at start), parameters (balance parameter counts), "
@@ -226,9 +230,11 @@ class Config:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def resolve(self, world_size: int) -> Topology:
+    def resolve(self, world_size: int, replan: Replan | None = None) -> Topology:
         """Check what involves several settings or the world; fill the derived ones (chunks, log interval,
-        microbatch size); return the PP x DP grid. A ValueError names the flags and how to fix them."""
+        microbatch size); return the PP x DP grid. A ValueError names the flags and how to fix them.
+        ``replan(world, pp, chunks) -> (pp, why)``: an elastic group's pipeline depth when ``--pp`` does not
+        divide the world (elastic.py; default: the deepest divisor up to ``--pp``)."""
         for s in settings():
             s.set(self, s.checked(s.get(self)))
         sch, opt, log = self.schedule, self.optimizer, self.logging
@@ -255,8 +261,8 @@ class Config:
             raise ValueError(f"--trace-step {log.trace_step} is not one of the run's steps 0..{opt.steps - 1}")
         if log.log_interval == 0:
             log.log_interval = max(1, opt.steps // 50)
-        topo = self._topology(world_size)
-        self.set_batch(split_global_batch(topo.dp, *self.given_batch()))
+        topo = self._topology(world_size, replan)
+        self.set_batch(split_global_batch(topo.dp, *self.given_batch(), pp=topo.pp))
         return topo
 
     def given_batch(self) -> tuple[int | None, int | None, int | None]:
@@ -277,15 +283,19 @@ class Config:
     def set_batch(self, batch: Batch) -> None:
         self.data.global_batch, self.schedule.microbatches, self.data.micro_batch_size = batch
 
-    def _topology(self, world_size: int) -> Topology:
+    def _topology(self, world_size: int, replan: Replan | None) -> Topology:
         pp, dp = self.parallel.pp, self.parallel.dp
         elastic = os.environ.get("PIPEENGINE_ELASTIC") == "1"
         if elastic and pp is not None and world_size % pp:
-            # an elastic group (launch/pipe.sh NNODES=MIN:MAX) restarted at a size --pp does not divide: the
-            # deepest pipeline that fits, the rest data-parallel (the global batch stays: resume.py)
-            given, pp = pp, max(d for d in range(1, min(pp, world_size) + 1) if world_size % d == 0)
-            print(f"elastic: {world_size} processes: pp {pp} x dp {world_size // pp} (--pp {given} does not divide "
-                  f"{world_size})", file=sys.stderr)
+            # an elastic group (launch/pipe.sh NNODES=MIN:MAX) restarted at a size --pp does not divide: a pp that
+            # does, fits the model and the memory (elastic.py), the rest data-parallel (the global batch stays)
+            if replan is not None:
+                pp, why = replan(world_size, pp, self.schedule.chunks)
+            else:
+                given, pp = pp, max(d for d in range(1, min(pp, world_size) + 1) if world_size % d == 0)
+                why = (f"elastic: {world_size} processes: pp {pp} x dp {world_size // pp} (--pp {given} does not "
+                       f"divide {world_size})")
+            print(why, file=sys.stderr)
             self.parallel.pp, self.parallel.dp, dp = pp, None, None
         elif elastic and dp is not None and pp is not None and pp * dp != world_size:
             self.parallel.dp = dp = None   # elastic: dp follows the world

@@ -1,8 +1,11 @@
-"""Deterministic, DP-sharded batches: every step's global batch from (seed, step), sliced per replica and microbatch.
+"""Deterministic, DP-sharded batches: every step's global batch from (seed, data position), sliced per replica.
 
-The global batch of step t is a function of (seed, step, dataset size) only; replica r takes the
-r-th contiguous slice and microbatch k the k-th piece of that slice. So a pp x dp job sees exactly
-the examples one process sees with the same global batch.
+The data is one stream of examples: epoch e is ``randperm`` seeded by (seed, e), the epochs one after
+another. Step t reads the global batch's examples from the stream's position t x global batch, or,
+after a resume, from the number of examples consumed so far (a run resumed under another global
+batch neither skips nor repeats). Replica r takes the r-th contiguous slice (its microbatches' worth:
+replicas may take one microbatch more than others) and microbatch k the k-th piece of that slice. So
+a pp x dp job sees exactly the examples one process sees with the same global batch.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ..runtime.tensors import crc32
+from .batch import Batch
 
-__all__ = ["Source", "data_digest",
-           "global_batch_indices", "shard_microbatches", "batches", "split_microbatches", "SourceDataset",
-           "StepSampler", "step_loader"]
+__all__ = ["Source", "data_digest", "stream_indices", "global_batch_indices", "replica_share", "batches",
+           "replica_batches", "split_microbatches", "SourceDataset", "StepSampler", "step_loader"]
 
 
 class Source(Protocol):
@@ -34,46 +37,56 @@ def _permutation(num_examples: int, seed: int) -> torch.Tensor:
     return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed))
 
 
-def global_batch_indices(num_examples: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
-    """Indices of step ``step``'s global batch: consecutive slices of a per-epoch permutation.
-
-    Epoch e uses ``randperm(num_examples)`` seeded by ``seed * 1_000_003 + e`` (drawn once per epoch
-    and kept); a batch that crosses an epoch end continues into the next epoch's permutation.
-    """
+def stream_indices(num_examples: int, start: int, count: int, seed: int) -> torch.Tensor:
+    """Indices of the ``count`` examples from position ``start`` of the data stream (epoch e: ``randperm`` seeded
+    by ``seed * 1_000_003 + e``, drawn once and kept; a batch that crosses an epoch end goes on into the next)."""
     if num_examples < 1:
         raise ValueError("the dataset is empty")
     out: list[torch.Tensor] = []
-    start, have = step * global_batch, 0
-    while have < global_batch:
+    have = 0
+    while have < count:
         epoch, offset = divmod(start, num_examples)
         perm = _permutation(num_examples, seed * 1_000_003 + epoch)
-        take = min(global_batch - have, num_examples - offset)
+        take = min(count - have, num_examples - offset)
         out.append(perm[offset:offset + take])
         start, have = start + take, have + take
     return torch.cat(out)
 
 
-def shard_microbatches(indices: torch.Tensor, dp_rank: int, dp_size: int, microbatches: int) -> list[torch.Tensor]:
-    """This replica's slice of the global batch, cut into ``microbatches`` equal microbatches."""
-    g = len(indices)
-    if g % (dp_size * microbatches):
-        raise ValueError(f"global batch {g} is not divisible by dp={dp_size} x microbatches={microbatches}")
-    per = g // dp_size
-    mine = indices[dp_rank * per:(dp_rank + 1) * per]
-    return list(mine.chunk(microbatches))
+def global_batch_indices(num_examples: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
+    """Indices of step ``step``'s global batch in a run that kept one global batch from step 0."""
+    return stream_indices(num_examples, step * global_batch, global_batch, seed)
+
+
+def replica_share(indices: torch.Tensor, batch: Batch, dp: int, replica: int) -> torch.Tensor:
+    """Replica ``replica``'s slice of a step's global batch: its microbatches' examples, in order."""
+    if len(indices) != batch.size:
+        raise ValueError(f"a step holds {len(indices)} examples, but the global batch is {batch.size}")
+    counts = batch.counts(dp)
+    first = sum(counts[:replica]) * batch.micro
+    return indices[first:first + counts[replica] * batch.micro]
 
 
 def _split_seed(seed: int, split: str) -> int:
     return seed + (0 if split == "train" else 7919)
 
 
+def replica_batches(source: Source, split: str, start: int, seed: int, batch: Batch, dp: int,
+                    replica: int) -> list[tuple[Any, Any]]:
+    """Replica ``replica``'s (inputs, targets) microbatches of the global batch at data position ``start``
+    (read here, in this process)."""
+    idx = stream_indices(source.num_examples(split), start, batch.size, _split_seed(seed, split))
+    mine = replica_share(idx, batch, dp, replica)
+    return split_microbatches(default_collate([source.example(split, int(i)) for i in mine]),
+                              batch.counts(dp)[replica])
+
+
 def batches(source: Source, split: str, step: int, seed: int, dp_rank: int, dp_size: int, microbatches: int,
             micro_batch_size: int) -> list[tuple[Any, Any]]:
-    """The (inputs, targets) microbatches of replica ``dp_rank`` at ``step`` (read here, in this process)."""
-    g = dp_size * microbatches * micro_batch_size
-    idx = global_batch_indices(source.num_examples(split), g, step, _split_seed(seed, split))
-    mine = shard_microbatches(idx, dp_rank, dp_size, 1)[0]
-    return split_microbatches(default_collate([source.example(split, int(i)) for i in mine]), microbatches)
+    """The (inputs, targets) microbatches of replica ``dp_rank`` at ``step`` of a run whose global batch, dp x
+    microbatches x micro-batch size, never changed."""
+    batch = Batch(dp_size * microbatches * micro_batch_size, microbatches, micro_batch_size)
+    return replica_batches(source, split, step * batch.size, seed, batch, dp_size, dp_rank)
 
 
 def split_microbatches(batch: Any, count: int) -> list[tuple[Any, Any]]:
@@ -106,29 +119,31 @@ class SourceDataset(Dataset[tuple[Any, Any]]):
 
 
 class StepSampler(Sampler[list[int]]):
-    """A replica's share of every step's global batch, step by step from ``start``: the indices of one
-    step's examples at a time (``batch_sampler=`` of a DataLoader), the same as :func:`batches` reads."""
+    """A replica's share of every step's global batch, step by step: the indices of one step's examples at a time
+    (``batch_sampler=`` of a DataLoader), the same as :func:`replica_batches` reads. Step ``first`` starts at data
+    position ``position``; each later step one global batch further."""
 
-    def __init__(self, num_examples: int, global_batch: int, seed: int, replica: int, replicas: int, start: int,
-                 steps: int) -> None:
-        self.num_examples, self.global_batch, self.seed = num_examples, global_batch, seed
-        self.replica, self.replicas, self.start, self.steps = replica, replicas, start, steps
+    def __init__(self, num_examples: int, seed: int, batch: Batch, dp: int, replica: int, first: int, steps: int,
+                 position: int) -> None:
+        self.num_examples, self.seed, self.batch, self.dp, self.replica = num_examples, seed, batch, dp, replica
+        self.first, self.steps, self.position = first, steps, position
 
     def __len__(self) -> int:
-        return max(0, self.steps - self.start)
+        return max(0, self.steps - self.first)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for step in range(self.start, self.steps):
-            idx = global_batch_indices(self.num_examples, self.global_batch, step, self.seed)
-            yield shard_microbatches(idx, self.replica, self.replicas, 1)[0].tolist()
+        for k in range(len(self)):
+            idx = stream_indices(self.num_examples, self.position + k * self.batch.size, self.batch.size, self.seed)
+            yield replica_share(idx, self.batch, self.dp, self.replica).tolist()
 
 
-def step_loader(source: Source, seed: int, replica: int, replicas: int, global_batch: int, start: int, steps: int,
-                workers: int, pin_memory: bool) -> DataLoader[Any]:
-    """Each training step's batch for this replica (inputs, targets), from ``workers`` processes that read
-    ahead (``prefetch_factor`` 2), in pinned memory for a CUDA device: cut it with :func:`split_microbatches`."""
-    sampler = StepSampler(source.num_examples("train"), global_batch, _split_seed(seed, "train"), replica, replicas,
-                          start, steps)
+def step_loader(source: Source, seed: int, batch: Batch, dp: int, replica: int, first: int, steps: int,
+                position: int, workers: int, pin_memory: bool) -> DataLoader[Any]:
+    """Each training step's batch for this replica (inputs, targets), from step ``first`` at data position
+    ``position``, read ahead by ``workers`` processes (``prefetch_factor`` 2), in pinned memory for a CUDA device:
+    cut it with :func:`split_microbatches` into the replica's microbatches."""
+    sampler = StepSampler(source.num_examples("train"), _split_seed(seed, "train"), batch, dp, replica, first, steps,
+                          position)
     return DataLoader(SourceDataset(source, "train"), batch_sampler=sampler, num_workers=workers,
                       pin_memory=pin_memory, prefetch_factor=2 if workers else None, persistent_workers=bool(workers))
 

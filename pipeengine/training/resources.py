@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["peak_memory", "memory_text", "flops_per_example", "peak_tflops", "PEAK_TFLOPS", "process_age",
-           "slow_bf16_hint"]
+__all__ = ["peak_memory", "rank_memory", "memory_text", "flops_per_example", "peak_tflops", "PEAK_TFLOPS",
+           "process_age", "slow_bf16_hint"]
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (name fragment, bf16/fp16 tensor cores, fp32).
 # The first fragment found in torch.cuda.get_device_name() wins, so the more specific ones come first.
@@ -31,6 +31,14 @@ def peak_memory(device: torch.device) -> dict[str, float]:
                 "reserved": torch.cuda.max_memory_reserved(device) / 2**20}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
     return {"rss": peak / (2**20 if sys.platform == "darwin" else 2**10)}
+
+
+def rank_memory(device: torch.device) -> float:
+    """Bytes one rank may use here: its GPU's memory, or on CPU the host's memory shared by the node's ranks."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(1, local)
 
 
 def memory_text(mem: dict[str, float]) -> str:

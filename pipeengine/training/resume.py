@@ -131,7 +131,8 @@ def _saved_batch(info: dict[str, Any]) -> Batch | None:
     try:
         saved = flat_config(info["config"])
         m, micro = int(saved["microbatches"]), int(saved["micro_batch_size"])
-        return Batch(int(info["dp"]) * m * micro, m, micro)
+        size = saved.get("global_batch")   # (checkpoints before uneven replicas: dp x m x micro)
+        return Batch(int(size) if size is not None else int(info["dp"]) * m * micro, m, micro)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -142,7 +143,7 @@ def _keep_batch(cfg: Config, topo: Topology, info: dict[str, Any]) -> Batch | No
     saved = _saved_batch(info)
     if saved is None:
         return None
-    batch, note = resume_batch(topo.dp, saved, *cfg.given_batch())
+    batch, note = resume_batch(topo.dp, saved, *cfg.given_batch(), pp=topo.pp)
     if note:
         print(note)
     return batch
@@ -159,11 +160,12 @@ def _note_changes(cfg: Config, info: dict[str, Any]) -> None:
               f"the run continues, but not as the saved one would have")
 
 
-def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tuple[int, dict[str, Any] | None]:
-    """Load the chosen checkpoint on every rank; the step to start at, and the world change if the checkpoint was
-    written by another number of processes (``{"step", "from", "to", "pp", "dp", "microbatches"}``)."""
+def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tuple[int, int, dict[str, Any] | None]:
+    """Load the chosen checkpoint on every rank; the step to start at, the examples consumed by then (the data
+    position), and the world change if the checkpoint was written by another number of processes (``{"step",
+    "from", "to", "pp", "dp", "microbatches"}``)."""
     if point is None:
-        return 0, None
+        return 0, 0, None
     t0 = time.perf_counter()
     info = load(engine, point.path)
     if engine.rank == 0:
@@ -179,4 +181,12 @@ def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tu
     change = None if saved_world in (None, world) else {
         "step": int(info["step"]), "from": saved_world, "to": world, "pp": engine.topology.pp,
         "dp": engine.topology.dp, "microbatches": engine.microbatches}
-    return int(info["step"]), change
+    return int(info["step"]), _examples(info), change
+
+
+def _examples(info: dict[str, Any]) -> int:
+    """The examples a checkpoint's run consumed (its manifest's ``examples``; older ones: step x its global batch)."""
+    if isinstance(info.get("examples"), int):
+        return int(info["examples"])
+    saved = _saved_batch(info)
+    return int(info["step"]) * (saved.size if saved is not None else 0)

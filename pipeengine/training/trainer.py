@@ -6,6 +6,7 @@ user's may do the same. Every rank runs the same Trainer; rank 0 prints and writ
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ..runtime.agree import on_every_rank, same_settings
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
+from ..runtime.layers import sizing_layers
 from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
 from ..schedule.builders import schedule_bubble
@@ -28,12 +30,13 @@ from .cli import to_toml
 from .checks import partition_arg, writable_folder
 from .config import Config
 from .console import link_rank_logs
-from .data import batches, data_digest, split_microbatches, step_loader
+from .data import data_digest, replica_batches, split_microbatches, step_loader
 from .distributed import init_distributed
+from .elastic import ModelState, replan_pp
 from .models import Model, load_model
 from .report import oversubscribed, progress_line, summary_text, write_json
 from .reporter import Reporter
-from .resources import flops_per_example, memory_text, peak_tflops, process_age, slow_bf16_hint
+from .resources import flops_per_example, memory_text, peak_tflops, process_age, rank_memory, slow_bf16_hint
 from .resume import ResumePoint, pick_checkpoint, resume
 from .savedir import check_shared
 from .stopping import StopRequest
@@ -75,9 +78,9 @@ class Trainer:
         cfg = self.cfg
 
         def check() -> tuple[Topology, Model]:
-            topo = cfg.resolve(self.world)
             torch.manual_seed(cfg.model.seed)   # a model whose data is drawn at random draws it alike on every rank
             model = load_model(cfg.model.name, cfg.model.preset, cfg.data.path, cfg.model.dropout)
+            topo = cfg.resolve(self.world, functools.partial(self._replan, model))
             if model.data is None:
                 raise ValueError(f"--model {cfg.model.name!r} gives no data (Model.data is None): the trainer needs "
                                  f"examples by index; see README: your own model")
@@ -106,12 +109,22 @@ class Trainer:
             cfg.set_batch(point.batch)
         self.batch = cfg.batch
         self.engine = self._engine(point)
-        start, self.world_change = resume(cfg, self.engine, point)   # a group restarted at another size
+        start, examples, self.world_change = resume(cfg, self.engine, point)   # (at another size: world_change)
         self.state = RunState(start=start)
+        self._position = (start, examples)   # the data position (examples consumed) at a step: position()
         self.warm = max(1, min(5, cfg.optimizer.steps // 20))   # steps left out of the timing figures
         self.timeline_steps = {min(self.state.start + self.warm, cfg.optimizer.steps - 1), cfg.optimizer.steps - 1}
         self._loader: Any = None   # the data loader's iterator and the step it gives next (_train_data)
         self._loader_step = -1
+
+    def _replan(self, model: Model, world: int, pp: int, chunks: int) -> tuple[int, str]:
+        """An elastic group's pp at a world --pp does not divide (elastic.py), from the model's size and the memory
+        a rank has here."""
+        state = ModelState([sum(p.numel() * p.element_size() for p in m.parameters())
+                            for m in sizing_layers(model.layers)],
+                           optimizer_states=2 if self.cfg.optimizer.name == "adamw" else 1,
+                           zero=self.cfg.parallel.zero == 1)
+        return replan_pp(world, pp, chunks, state, rank_memory(self.device))
 
     def _engine(self, point: ResumePoint | None) -> PipelineEngine:
         cfg, model = self.cfg, self.model
@@ -122,12 +135,11 @@ class Trainer:
             partition, costs = point.bounds, point.costs
         sample = None
         if partition == "profile":   # time the layers on the run's first microbatch
-            sample = batches(model.data, "train", 0, cfg.model.seed, 0, self.topo.dp, self.batch.microbatches,
-                             self.batch.micro)[0]
+            sample = replica_batches(model.data, "train", 0, cfg.model.seed, self.batch, self.topo.dp, 0)[0]
         cap = cfg.schedule.memory_cap
         return PipelineEngine(
             model.layers, model.loss_fn, cfg.optimizer.build, topology=self.topo, schedule=cfg.schedule.name,
-            microbatches=self.batch.microbatches, chunks=cfg.schedule.chunks, seed=cfg.model.seed,
+            microbatches=self.batch.counts(self.topo.dp), chunks=cfg.schedule.chunks, seed=cfg.model.seed,
             tied=[list(g) for g in model.tied], device=self.device, timeout=cfg.faults.timeout,
             grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
             on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
@@ -153,8 +165,7 @@ class Trainer:
             if self.engine.plan.auto is not None:
                 print(self.engine.plan.auto.describe())
             print(f"model {cfg.model.name}/{cfg.model.preset}: {self.engine.num_layers} layers, stage bounds "
-                  f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.microbatches} "
-                  f"microbatches x {self.batch.micro} per replica, global batch {self.batch.size}; "
+                  f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.describe(topo.dp)}; "
                   f"logs in {self.run_dir}")
             hint = slow_bf16_hint(self.device, cfg.precision.mode)
             if hint:
@@ -173,11 +184,18 @@ class Trainer:
             self._close_data()
             cuda = self.device.type == "cuda"
             workers = cfg.data.workers if cfg.data.workers is not None else (2 if cuda else 0)
-            self._loader = iter(step_loader(self.model.data, cfg.model.seed, self.engine.replica, self.topo.dp,
-                                            self.batch.size, step, cfg.optimizer.steps, workers, pin_memory=cuda))
+            self._loader = iter(step_loader(self.model.data, cfg.model.seed, self.batch, self.topo.dp,
+                                            self.engine.replica, step, cfg.optimizer.steps, self.position(step),
+                                            workers, pin_memory=cuda))
         batch = next(self._loader)
         self._loader_step = step + 1
-        return iter(split_microbatches(batch, self.batch.microbatches)), time.perf_counter() - t
+        return iter(split_microbatches(batch, self.engine.microbatches)), time.perf_counter() - t
+
+    def position(self, step: int) -> int:
+        """The data position at ``step``: the examples consumed before it (a resumed run goes on from its
+        checkpoint's, whatever the global batch was then)."""
+        start, examples = self._position
+        return examples + (step - start) * self.batch.size
 
     def _close_data(self) -> None:
         """Stop the loader's worker processes (if any)."""
@@ -187,8 +205,8 @@ class Trainer:
         """The validation loss on step ``step``'s validation batch."""
         data = None
         if self.engine.needs_data:
-            data = iter(batches(self.model.data, "val", step, self.cfg.model.seed, self.engine.replica, self.topo.dp,
-                                self.batch.microbatches, self.batch.micro))
+            data = iter(replica_batches(self.model.data, "val", step * self.batch.size, self.cfg.model.seed,
+                                        self.batch, self.topo.dp, self.engine.replica))
         return float(self.engine.eval_batch(data).loss)
 
     def train_step(self, step: int) -> StepResult:
@@ -223,7 +241,7 @@ class Trainer:
         cfg = self.cfg
         t_save = time.perf_counter()
         extra = {"model": cfg.model.name, "preset": cfg.model.preset, "config": cfg.to_dict(),
-                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "examples": self.position(step)}
         keep = cfg.saving.keep or None
         if self.saver is None:
             saved = save(self.engine, cfg.saving.dir, step, keep=keep, extra=extra)

@@ -473,8 +473,8 @@ def test_resuming_under_another_layout_keeps_the_global_batch(tmp_path: Path, wo
     for resumed in (resumed_dp2, resumed_pp4):
         assert resumed["first_step"] == 3 and resumed["batch"] == 32
         torch.testing.assert_close(resumed["losses"], straight["losses"][3:], rtol=1e-5, atol=0)
-    assert "resuming with the checkpoint's global batch 32 = dp 2 x 2 microbatches x 8 (it was 4 x 8 per " \
-           "replica)" in resumed_dp2["text"]
+    assert "resuming with the checkpoint's global batch 32 = dp 2 x 4 microbatches x 4 (it was 4 x 8 per " \
+           "replica)" in resumed_dp2["text"]   # the pipeline keeps its 4 microbatches per replica
     assert "global batch" not in resumed_pp4["text"].split("resumed from")[0]   # 4 x 8 at dp 1 still: no note
 
 

@@ -35,15 +35,17 @@ def problem(flags: list[str], world: int, capsys: pytest.CaptureFixture[str]) ->
     (["--pp", "2", "--dp", "3"], 4, r"pp=2 x dp=3 = 6 ranks, but the world has 4"),
     (["--microbatches", "0"], 1, r"--microbatches must be >= 1 \(got 0\)"),
     (["--global-batch", "30", "--microbatches", "4", "--pp", "2"], 4,
-     r"--global-batch 30 does not split into dp 2 x --microbatches 4 equal microbatches; pass --global-batch as "
-     r"a multiple of 8, or another --microbatches"),
-    (["--global-batch", "16", "-b", "3"], 1, r"--global-batch 16 does not split into dp 1 x microbatches of "
-                                             r"--micro-batch-size 3; pass --global-batch as a multiple of 3"),
+     r"--global-batch 30 cannot be cut into equal microbatches with 4 on the fullest of dp 2 replicas; --microbatches "
+     r"1, 2, 3, 5, 8, 15 can, or pass another --global-batch"),
+    (["--global-batch", "16", "-b", "3"], 1, r"--global-batch 16 is not a whole number of microbatches of "
+                                             r"--micro-batch-size 3 for dp 1 replicas"),
     (["--global-batch", "16", "-b", "3", "-m", "4"], 1,
-     r"--global-batch 16 is not dp 1 x --microbatches 4 x --micro-batch-size 3 = 12; give two of the three"),
+     r"--global-batch 16 is not 4 microbatches of --micro-batch-size 3 on each of dp 1 replicas \(the first ones may "
+     r"take one more\); give two of the three"),
     (["-m", "3", "--pp", "1"], 2,
-     r"the global batch \(32 by default\) does not split into dp 2 x --microbatches 3 equal microbatches; pass "
-     r"--global-batch as a multiple of 6"),
+     r"the global batch \(32 by default\) cannot be cut into equal microbatches with 3 on the fullest of dp 2 "
+     r"replicas; --microbatches 1, 2, 4, 8, 16 can"),
+    (["--global-batch", "3", "--pp", "1"], 4, r"--global-batch 3 has fewer examples than dp 4 has replicas"),
     (["--schedule", "forward"], 1, r"--schedule 'forward' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
     (["--checkpoint", "some"], 1, r"--recompute must be 'none', 'full' or 'every:K'"),
     (["--recompute", "every:0"], 1, r"every:K' with K >= 1 layers per region \(got 'every:0'\)"),
@@ -97,7 +99,8 @@ def test_help_lists_every_default_and_every_preset_without_importing_torch() -> 
                           ("--grad-clip", "1.0"), ("--steps", "50"), ("--keep", "3"), ("--on-nonfinite", "stop")]:
         after = text[text.index(f"{flag} "):]
         assert f"(default: {default})" in after[:400], flag
-    assert "--global-batch INT examples per optimizer step over all replicas, whatever pp x dp (None: 32" in text
+    assert ("--global-batch INT examples per optimizer step over all replicas, whatever pp x dp; dp need not divide "
+            "it (None: 32, or dp x 2pp if more") in text
     assert ("gpt: tiny, small, gpt2-124m; resnet: tiny, resnet18, resnet18-gn, resnet50, resnet50-imagenet; mlp: "
             "tiny, small, large") in text
 

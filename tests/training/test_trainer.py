@@ -92,8 +92,8 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
                                                        "(the default), not 'uniform'"),
     (["--schedule", "auto", "--chunks", "2"], "error: --schedule auto chooses the stages per position itself (got "
                                               "--chunks 2); drop --chunks"),
-    (["--global-batch", "16", "-b", "3"], "error: --global-batch 16 does not split into dp 1 x microbatches of "
-                                          "--micro-batch-size 3"),
+    (["--global-batch", "16", "-b", "3"], "error: --global-batch 16 is not a whole number of microbatches of "
+                                          "--micro-batch-size 3 for dp 1 replicas"),
     (["--data", "/dev/zero"], "error: --data '/dev/zero' is not a regular file or folder (a device, pipe or socket)"),
     (["--data", "{tmp}/fifo"], "error: --data '{tmp}/fifo' is not a regular file or folder (a device, pipe or "
                                "socket)"),
