@@ -4,11 +4,17 @@ line saying why none exists."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from pipeengine.training.batch import resume_batch, split_global_batch
 from pipeengine.training.elastic import HEADROOM, ModelState, replan_pp
+from tests.harness import run_distributed
 
 GIB = 2**30
 # a 7B-like model in fp32: embedding, 32 blocks of 202 M parameters, head; AdamW; a rank has 80 GiB
@@ -72,3 +78,50 @@ def test_a_shallower_pipeline_is_taken_only_when_a_rank_can_hold_it() -> None:
                                          r"would hold an estimated .* GiB of model state per rank.*; restart on a "
                                          r"multiple of 4 processes \(36\)"):
         replan_pp(37, 4, 1, SEVEN_B, CAPACITY)   # 37 is prime, deeper than the 34 layers
+
+
+def _shrink_run(rank: int, world: int, flags: list[str], run_id: str | None) -> dict[str, Any]:
+    import contextlib
+    import io
+    import os
+    from pipeengine.training.cli import parse_args
+    from pipeengine.training.trainer import run
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    if run_id is not None:   # a group torchrun restarted: it resumes by itself from this run's newest checkpoint
+        os.environ["TORCHELASTIC_RUN_ID"] = run_id
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            s = run(parse_args(["--model", "mlp", "--pp", "1", "--steps", "6", "--eval-interval", "0", "--quiet",
+                                "--partition", "uniform", "--timeline-interval", "0", "--dropout", "0.1", *flags]))
+    except SystemExit as exc:
+        raise AssertionError(f"exit {exc.code}: {err.getvalue()}") from None
+    finally:
+        os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    return {"losses": s["losses"], "first_step": s["first_step"], "change": s["world_change"], "err": err.getvalue(),
+            "micro": s["config"]["data"]["micro_batch_size"], "m": s["config"]["schedule"]["microbatches"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_shrunk_from_4_to_3_ranks_goes_on_with_the_same_global_batch(tmp_path: Path, world4: Any) -> None:
+    """4 ranks at pp 1 (dp 4, 16 microbatches of 2) save at step 3; the group restarts with 3 (dp 3 does not divide
+    16: 6, 5, 5 microbatches) and resumes by itself, as torchrun's elastic restart does: its losses are the
+    uninterrupted run's (the same mean over the same examples and dropout masks, up to reduction order), and
+    bitwise those of a run started fresh at world 3 from the same checkpoint."""
+    saves = str(tmp_path / "saves")
+    common = ["--log-dir", str(tmp_path), "--save-dir", saves]
+    straight = world4.run(_shrink_run, [*common, "--save-interval", "3", "--run-name", "straight"], "job")[0]
+    # the survivors' save folder holds the checkpoint of step 3 (the pool's rank 0 still holds the first one's lock)
+    shutil.copytree(os.path.join(saves, "step-00000003"), tmp_path / "survivors" / "step-00000003")
+    shrunk = run_distributed(_shrink_run, 3, ["--log-dir", str(tmp_path), "--save-dir", str(tmp_path / "survivors"),
+                                              "--run-name", "shrunk", "--save-interval", "3"], "job", timeout=200)[0]
+    fresh = run_distributed(_shrink_run, 3, [*common, "--run-name", "fresh", "--resume",
+                                             os.path.join(saves, "step-00000003")], None, timeout=200)[0]
+    assert straight["micro"] == 2 and straight["m"] == 4
+    assert shrunk["first_step"] == 3 and shrunk["micro"] == 2 and shrunk["m"] == 6, shrunk
+    assert "restart: the group changed size: resuming from" in shrunk["err"]
+    assert (shrunk["change"]["from"], shrunk["change"]["to"], shrunk["change"]["dp"]) == (4, 3, 3)
+    assert fresh["losses"] == shrunk["losses"]
+    torch.testing.assert_close(torch.tensor(shrunk["losses"]), torch.tensor(straight["losses"][3:]), rtol=1e-5,
+                               atol=0)
