@@ -125,3 +125,17 @@ def test_a_group_shrunk_from_4_to_3_ranks_goes_on_with_the_same_global_batch(tmp
     assert fresh["losses"] == shrunk["losses"]
     torch.testing.assert_close(torch.tensor(shrunk["losses"]), torch.tensor(straight["losses"][3:]), rtol=1e-5,
                                atol=0)
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3, 5, 64, 128])
+def test_the_slurm_example_starts_on_any_node_count_with_a_full_pipeline(nodes: int) -> None:
+    """launch/slurm.sbatch's own flags (8 GPUs per node): every node count gets a global batch that gives each
+    replica at least 2 x pp microbatches (a 1F1B bubble of at most (pp - 1) / (3 pp - 1))."""
+    from pipeengine.training.cli import parse_args
+    from tests.harness import ROOT
+    text = (ROOT / "launch" / "slurm.sbatch").read_text()
+    flags = text[text.index("launch/pipe.sh 8 gpus") + len("launch/pipe.sh 8 gpus"):].split("--max-restarts")[0]
+    cfg = parse_args(flags.replace("\\", " ").split())
+    topo = cfg.resolve(8 * nodes)
+    counts = cfg.batch.counts(topo.dp)
+    assert topo.pp == 8 and min(counts) >= 2 * topo.pp, (nodes, cfg.batch)
