@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +31,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..runtime.agree import on_every_rank, raise_if_any
-from .checksums import changed_tensor, checksums, gathered_checksums
+from .checksums import changed_tensor, checksums, gathered_checksums, layout_error
 
 if TYPE_CHECKING:
     from ..runtime.engine import PipelineEngine
 
 __all__ = ["CheckpointError", "save", "AsyncSaver", "load", "latest", "resolve", "manifest", "complete_checkpoints",
-           "metadata"]
+           "metadata", "read_failure"]
 
 MANIFEST = "manifest.json"
 PREFIX, TMP, OLD = "step-", ".tmp-step-", ".old-step-"
@@ -89,10 +91,11 @@ def _failed(tmp: str, exc: BaseException) -> str:
 
 
 def _publish(engine: PipelineEngine, tmp: str, final: str, info: dict[str, Any], keep: int | None,
-             sums: dict[str, str]) -> None:
-    """After every rank wrote its shard: the manifest (with every rank's tensor checksums), then one rename
-    makes the checkpoint visible."""
-    info = {**info, "checksums": gathered_checksums(sums)}   # also the barrier: every rank's write is done
+             sums: dict[str, Any]) -> None:
+    """After every rank wrote its shard: the manifest (with every rank's tensor checksums and every tensor's
+    global shape), then one rename makes the checkpoint visible."""
+    everyone = gathered_checksums(sums)   # also the barrier: every rank's write is done
+    info = {**info, "checksums": everyone["checksums"], "shapes": everyone["shapes"]}
     error = None
     if engine.rank == 0:
         try:
@@ -183,7 +186,7 @@ class AsyncSaver:
         group, asking = dist.new_group(backend="gloo", timeout=limit), dist.new_group(backend="gloo", timeout=limit)
         assert isinstance(group, dist.ProcessGroup) and isinstance(asking, dist.ProcessGroup)   # every rank's
         self.group, self._asking = group, asking
-        self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None, dict[str, str]] | None = None
+        self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None, dict[str, Any]] | None = None
 
     def poll(self) -> str | None:
         """Make the save in flight visible if every rank's write has completed; its folder, else None."""
@@ -295,6 +298,17 @@ def _check(sd: dict[str, Any], md: Any, path: str) -> str | None:
     return None
 
 
+def read_failure(exc: BaseException) -> str:
+    """The first failure inside DCP's exception (every rank's, gathered), as ``Type: message`` on one line; a file
+    that ended early or is not DCP's is said to be damaged."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))[0]
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    damaged = isinstance(exc, (EOFError, OSError, pickle.UnpicklingError)) or "unexpected end" in text.lower()
+    return f"{type(exc).__name__}: {text}" + (" (a damaged or truncated file)" if damaged else "")
+
+
 def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
     """Load a checkpoint into the engine (collective); return its manifest. Any pp, dp, chunks, partition.
 
@@ -305,9 +319,16 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
 
     def read() -> tuple[str, Any, dict[str, Any]]:
         where = resolve(path)
-        return where, metadata(where), manifest(where)
+        md, info = metadata(where), manifest(where)
+        why = layout_error(md, info, where)
+        if why:
+            raise CheckpointError(f"{why}; resume from another checkpoint")
+        return where, md, info
 
     path, md, info = on_every_rank(read, catch=(CheckpointError, OSError, ValueError), raise_as=CheckpointError)
+    if not isinstance(info.get("checksums"), dict) and dist.get_rank() == 0:
+        print(f"note: checkpoint {path!r} carries no checksums in its {MANIFEST} (written before they existed, or "
+              f"the manifest was edited): its tensors are loaded unverified", file=sys.stderr)
     saved = {k: (tuple(m.size), m.properties.dtype) if hasattr(m, "size") else None
              for k, m in md.state_dict_metadata.items()}
     sd = engine.loadable_state_dict(saved, restore_rng=info.get("world_size") == engine.topology.world_size)
@@ -315,8 +336,7 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
     try:
         dcp_load(sd, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # DCP gathers every rank's read errors, raises them on all
-        raise CheckpointError(f"checkpoint {path!r} could not be read (damaged or truncated file?): "
-                              f"{str(exc).splitlines()[0][:300]}") from None
+        raise CheckpointError(f"checkpoint {path!r} could not be read: {read_failure(exc)}") from None
     as_saved = {k: v for k, v in sd.items()   # read in the dtype it was written in: comparable with its checksum
                 if isinstance(v, torch.Tensor) and (saved.get(k) or (0, None))[1] == v.dtype}
     raise_if_any(changed_tensor(as_saved, info.get("checksums"), path), CheckpointError)

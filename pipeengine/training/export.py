@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .checkpoint import CheckpointError, manifest, metadata, resolve
-from .checksums import changed_tensor
+from .checkpoint import CheckpointError, manifest, metadata, read_failure, resolve
+from .checksums import changed_tensor, layout_error
 
 __all__ = ["export", "describe", "main"]
 
@@ -30,7 +30,10 @@ def export(path: str, out: str) -> int:
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     path = resolve(path)
     _check_output(out)
-    md = metadata(path)
+    md, info = metadata(path), manifest(path)
+    why = layout_error(md, info, path)
+    if why:
+        raise CheckpointError(why)
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
           if k.startswith("layers.")}
     try:
@@ -38,9 +41,8 @@ def export(path: str, out: str) -> int:
             warnings.simplefilter("ignore")
             dcp_load(sd, checkpoint_id=path, no_dist=True)
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"checkpoint {path!r} could not be read (damaged or truncated file?): "
-                              f"{str(exc).splitlines()[0][:300]}") from None
-    why = changed_tensor(sd, manifest(path).get("checksums"), path)
+        raise CheckpointError(f"checkpoint {path!r} could not be read: {read_failure(exc)}") from None
+    why = changed_tensor(sd, info.get("checksums"), path)
     if why:
         raise CheckpointError(why)
     plain = {k[len("layers."):]: v for k, v in sorted(sd.items(), key=lambda kv: _layer_order(kv[0]))}

@@ -33,6 +33,7 @@ from .console import link_rank_logs
 from .data import data_digest, replica_batches, split_microbatches, step_loader
 from .distributed import init_distributed
 from .elastic import ModelState, replan_pp
+from .install import install_problem
 from .models import Model, load_model
 from .report import oversubscribed, progress_line, summary_text, write_json
 from .reporter import Reporter
@@ -78,6 +79,9 @@ class Trainer:
         cfg = self.cfg
 
         def check() -> tuple[Topology, Model]:
+            problem = install_problem()
+            if problem:
+                raise ValueError(problem)
             torch.manual_seed(cfg.model.seed)   # a model whose data is drawn at random draws it alike on every rank
             model = load_model(cfg.model.name, cfg.model.preset, cfg.data.path, cfg.model.dropout)
             topo = cfg.resolve(self.world, functools.partial(self._replan, model))

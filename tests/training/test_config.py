@@ -159,3 +159,28 @@ def test_an_elastic_group_re_plans_pp_and_dp_for_its_size(monkeypatch: pytest.Mo
         topo = parse_args(flags).resolve(world)
         assert (topo.pp, topo.dp) == want, (world, flags, topo)
     assert "elastic: 2 processes: pp 2 x dp 1 (--pp 4 does not divide 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("torch_version, vision, said", [
+    ("2.14.1+cu130", "0.29.1+cu130", None),
+    ("2.14.1", "0.29.1", None),
+    ("2.13.0+cpu", "0.29.1", "torchvision 0.29.1 does not match torch 2.13.0+cpu (its compiled operators would fail "
+                             "to load): pip install 'torchvision==0.28.*'"),
+    ("2.14.1", "0.28.0", "pip install 'torchvision==0.29.*'"),
+    ("2.13.0+cpu", "0.28.0", "torch 2.13.0+cpu is not the series pipeengine is tested on (2.14): pip install -e . "
+                             "installs it"),
+])
+def test_the_installed_torch_and_torchvision_are_checked_at_start(torch_version: str, vision: str,
+                                                                  said: str | None) -> None:
+    from pipeengine.training.install import install_problem
+    got = install_problem(torch_version, vision)
+    assert (got is None) if said is None else (got is not None and said in got and "\n" not in got), got
+    assert install_problem() is None   # what the tests run on
+
+
+def test_setup_cfg_admits_exactly_the_tested_torch() -> None:
+    from pipeengine.training.install import TESTED_TORCH, torchvision_for
+    text = (Path(__file__).parents[2] / "setup.cfg").read_text()
+    series = ".".join(map(str, TESTED_TORCH))
+    assert f"torch>={series}.1,<2.{TESTED_TORCH[1] + 1}" in text
+    assert f"torchvision>={torchvision_for(series)}.1,<0.{TESTED_TORCH[1] + 16}" in text
