@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .batch import Batch
 from .resources import memory_text
 
 __all__ = ["progress_line", "summary_text", "write_json", "oversubscribed", "mean", "world_change_text"]
@@ -64,7 +65,7 @@ def _compute_text(s: dict[str, Any]) -> str:
 def world_change_text(c: dict[str, Any]) -> str:
     """What a group restarted at another size became (resume.py's world change)."""
     return (f"{c['from']} -> {c['to']} processes at step {c['step']}: re-planned as pp {c['pp']} x dp {c['dp']}, "
-            f"{c['microbatches']} microbatches per replica (the same global batch), from the step {c['step']} "
+            f"up to {c['microbatches']} microbatches per replica (the same global batch), from the step {c['step']} "
             f"checkpoint")
 
 
@@ -90,9 +91,9 @@ def summary_text(s: dict[str, Any]) -> str:
         "=" * 72,
         f"model {cfg['model']['name']}/{cfg['model']['preset']}  schedule {name if ran == name else f'{name} ({ran})'}"
         f"  pp {s['pp']} x "
-        f"dp {s['dp']}{'  zero 1' if cfg['parallel'].get('zero') and s['dp'] > 1 else ''}  global batch {g} = "
-        f"dp {s['dp']} x {cfg['schedule']['microbatches']} microbatches x "
-        f"{cfg['data']['micro_batch_size']}  steps {cfg['optimizer']['steps']}",
+        f"dp {s['dp']}{'  zero 1' if cfg['parallel'].get('zero') and s['dp'] > 1 else ''}  "
+        f"{Batch(g, cfg['schedule']['microbatches'], cfg['data']['micro_batch_size']).describe(s['dp'])}  "
+        f"steps {cfg['optimizer']['steps']}",
         f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",
         f"throughput {s['steps_per_s']:.2f} steps/s  {s['samples_per_s']:,.1f} samples/s{tok}  (wall time of the "
         f"steps after warm-up,\n           data, evaluation, saves and logging included; median pipeline step "

@@ -62,7 +62,18 @@ def pick_checkpoint(cfg: Config, topo: Topology, num_layers: int) -> ResumePoint
         except (CheckpointError, OSError, ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"--resume: {exc}") from None
 
-    return decided_by_rank0(decide)
+    point = decided_by_rank0(decide)
+    if attempt != 0 and dist.get_rank() != 0 and os.environ.get("LOCAL_RANK") == "0":
+        # every node's screen says it too (pipe.sh shows its node's local rank 0): launch/quiet.awk there
+        # starts over on it, or the last attempt's failures would be held as this run's exit status
+        print(f"{_restart_text(attempt)}: resuming from {point.path}" if point else
+              f"{_restart_text(attempt)}: no checkpoint of this run yet: starting at step 0", file=sys.stderr,
+              flush=True)
+    return point
+
+
+def _restart_text(attempt: int) -> str:
+    return f"restart {attempt}" if attempt > 0 else "restart: the group changed size"
 
 
 def _saved_by_this_run(directory: str) -> bool:
@@ -91,7 +102,7 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
     if path is None and resume not in (None, "latest"):
         path = resume
     if attempt != 0:   # on stderr: launch/quiet.awk starts over on it (what it held was the last attempt's)
-        what = f"restart {attempt}" if attempt > 0 else "restart: the group changed size"
+        what = _restart_text(attempt)
         print(f"{what}: resuming from {path}" if path else
               f"{what}: no checkpoint of this run yet: starting at step 0", file=sys.stderr, flush=True)
     elif path is None:
