@@ -92,12 +92,7 @@ class PipelineEngine:
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
         check_engine_arguments(layers, loss_fn, optimizer, precision, recompute, wire, on_nonfinite, timeout,
                                grad_clip, seed)
-        self._place(topology, device)
-        if plan is not None and (plan.schedule.pp != self.topology.pp or plan.num_layers != len(layers)):
-            raise ValueError(f"the plan is for pp={plan.schedule.pp} and {plan.num_layers} layers, but the topology "
-                             f"has pp={self.topology.pp} and the model {len(layers)} layers")
-        if precision == "fp16" and self.device.type != "cuda":
-            raise ValueError("precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU")
+        self._place(topology, device, plan, len(layers), precision)
         self.precision, self.on_nonfinite, self.grad_clip = precision, on_nonfinite, grad_clip
         self.watch = watch()
         self._fixed_timeout = timeout
@@ -140,7 +135,9 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _place(self, topology: Topology | None, device: torch.device | None) -> None:
+    def _place(self, topology: Topology | None, device: torch.device | None, plan: Plan | None, num_layers: int,
+               precision: str) -> None:
+        """This rank in the grid, and its device; a plan or precision that does not fit them is refused."""
         world = dist.get_world_size()
         self.topology = topology or Topology.from_world(world)
         if self.topology.world_size != world:
@@ -150,6 +147,11 @@ class PipelineEngine:
         self.position = self.topology.position_of(self.rank)
         self.replica = self.topology.replica_of(self.rank)
         self.device = device or default_device()
+        if plan is not None and (plan.schedule.pp != self.topology.pp or plan.num_layers != num_layers):
+            raise ValueError(f"the plan is for pp={plan.schedule.pp} and {plan.num_layers} layers, but the topology "
+                             f"has pp={self.topology.pp} and the model {num_layers} layers")
+        if precision == "fp16" and self.device.type != "cuda":
+            raise ValueError("precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU")
 
     def _build(self, specs: Sequence[LayerSpec], tied: Sequence[Sequence[tuple[int, str]]], seed: int,
                recompute: str) -> None:
@@ -272,9 +274,6 @@ class PipelineEngine:
         result.step_time = max(r.end for r in result.records)
         self.step_count += 1
         return result
-
-    def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
-        self.watch.wait(work, what, peers, cuda=self.device.type == "cuda")
 
     # ------------------------------------------------------------------ interpreting the program
 

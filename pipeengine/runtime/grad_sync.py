@@ -119,6 +119,11 @@ class GradSync:
                 self.buckets.append(bucket)
             self.whole += [is_whole] * (len(self.buckets) - len(self.whole))
 
+    def flag_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        """Parameter ``p``'s "got a gradient" flag (None: not in a bucket); see [Note: a parameter without a
+        gradient]."""
+        return self._flag.get(id(p))
+
     def shard_of(self, k: int) -> torch.Tensor:
         """This replica's shard of bucket ``k``'s gradients (sharding)."""
         assert self.shard is not None

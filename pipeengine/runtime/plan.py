@@ -106,29 +106,17 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     """
     auto = schedule == "auto" and pp > 1
     counts = _counts(microbatches, schedule)
-    microbatches = max(counts)
-    compiled = _compiled(schedule, pp, microbatches, chunks, costs, validate_schedule, partition)
+    microbatches, uneven = max(counts), len(set(counts)) > 1
+    compiled = _compiled(schedule, pp, microbatches, chunks, costs, validate_schedule, partition, uneven)
     sizing = sizing_layers(layers)
     _check_same_everywhere(seed, sizing, dict(agree or {}))
-    device = device or torch.device("cpu")
     measured = []
     if partition == "profile" and compiled.num_stages > 1:
         if loss_fn is None:
             raise ValueError("partition='profile' times the loss too: pass loss_fn")
-        measured = profile_shares(layers, seed, sample, loss_fn, device, precision, compiled.split_backward)
-
-    def decide() -> list[int] | Choice | AutoChoice:
-        if measured and auto:
-            return auto_schedule(measured, pp, microbatches, memory_cap)
-        if measured:
-            return planner.choose_bounds(measured, compiled, memory_cap)
-        if partition == "profile":
-            return [0, len(layers)]
-        if isinstance(partition, str):
-            return planner.partition(sizing, compiled.num_stages, partition)
-        return planner.partition(sizing, compiled.num_stages, boundaries=list(partition))
-
-    decided = decided_by_rank0(decide)
+        measured = profile_shares(layers, seed, sample, loss_fn, device or torch.device("cpu"), precision,
+                                  compiled.split_backward)
+    decided = decided_by_rank0(lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap))
     choice = decided if isinstance(decided, Choice) else None
     chosen = decided if isinstance(decided, AutoChoice) else None
     bounds = tuple(decided if isinstance(decided, list) else decided.bounds)
@@ -136,25 +124,38 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         compiled = chosen.schedule
     elif choice is not None and isinstance(schedule, str) and costs is None:
         costs = choice.mean_costs()   # the communication order (and zb-h1's variant) from the measured costs
-        compiled = compile_schedule(schedule, pp, microbatches, chunks, costs)
-    eval_schedule = compile_schedule("forward", pp, compiled.microbatches, compiled.chunks,
-                                     placement=compiled.placement_kind)
+        compiled = _by_count(schedule, pp, microbatches, chunks, costs, uneven)
     kind = chosen.library if chosen is not None else compiled.name   # what the other counts run
-    others = {c: (_other_count(kind, pp, c, compiled.chunks, costs),
-                  compile_schedule("forward", pp, c, compiled.chunks, placement=compiled.placement_kind))
-              for c in set(counts) - {microbatches}}
+    schedules = {c: (compiled if c == microbatches else _by_count(kind, pp, c, compiled.chunks, costs, True),
+                     compile_schedule("forward", pp, c, compiled.chunks, placement=compiled.placement_kind))
+                 for c in set(counts)}
     params = tuple(len(list(m.parameters())) for m in sizing)
-    return Plan(compiled, eval_schedule, bounds, len(layers), costs, choice, params, chosen,
-                tuple(counts) if others else (), others)
+    return Plan(compiled, schedules[microbatches][1], bounds, len(layers), costs, choice, params, chosen,
+                tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches})
 
 
-def _other_count(kind: str, pp: int, microbatches: int, chunks: int, costs: Costs | None) -> Schedule:
-    """Schedule ``kind`` for another replica's microbatch count; interleaved-1f1b, which needs a multiple of pp,
-    gives way to interleaved-zb there (the same placement and stages)."""
+def _decide(measured: Sequence[Any], sizing: Sequence[Any], compiled: Schedule, partition: str | Sequence[int],
+            auto: bool, memory_cap: float | None) -> list[int] | Choice | AutoChoice:
+    """Rank 0's choice of the bounds (and, for auto, of the schedule)."""
+    if measured and auto:
+        return auto_schedule(measured, compiled.pp, compiled.microbatches, memory_cap)
+    if measured:
+        return planner.choose_bounds(measured, compiled, memory_cap)
+    if partition == "profile":
+        return [0, len(sizing)]
+    if isinstance(partition, str):
+        return planner.partition(sizing, compiled.num_stages, partition)
+    return planner.partition(sizing, compiled.num_stages, boundaries=list(partition))
+
+
+def _by_count(kind: str, pp: int, microbatches: int, chunks: int | None, costs: Costs | None,
+              uneven: bool) -> Schedule:
+    """Schedule ``kind`` for ``microbatches``; with uneven replicas ([Note: uneven replicas]) interleaved-1f1b,
+    which needs a multiple of pp, gives way to interleaved-zb for a count that is not (same placement, stages)."""
     try:
         return compile_schedule(kind, pp, microbatches, chunks, costs)
     except ValueError:
-        if kind != "interleaved-1f1b":
+        if kind != "interleaved-1f1b" or not uneven:
             raise
         return compile_schedule("interleaved-zb", pp, microbatches, chunks, costs)
 
@@ -171,7 +172,7 @@ def _counts(microbatches: int | Sequence[int], schedule: str | Schedule) -> list
 
 
 def _compiled(schedule: str | Schedule, pp: int, microbatches: int, chunks: int | None, costs: Costs | None,
-              validate_schedule: bool, partition: str | Sequence[int]) -> Schedule:
+              validate_schedule: bool, partition: str | Sequence[int], uneven: bool) -> Schedule:
     """The schedule by name, or the one given (proven); for auto a stand-in until the costs are measured (zb-h1:
     backward split, so W is timed; 1f1b at pp 1)."""
     if schedule == "auto" and pp > 1 and partition != "profile":
@@ -185,7 +186,7 @@ def _compiled(schedule: str | Schedule, pp: int, microbatches: int, chunks: int 
         return schedule
     if schedule == "auto":
         return compile_schedule("zb-h1" if pp > 1 else "1f1b", pp, microbatches)
-    return compile_schedule(schedule, pp, microbatches, chunks, costs)
+    return _by_count(schedule, pp, microbatches, chunks, costs, uneven)
 
 
 def _check_same_everywhere(seed: int, sizing: Sequence[Any], agree: dict[str, Any]) -> None:

@@ -87,6 +87,7 @@ class Update:
         e.ties.sum_grads(lambda work, peers: self._wait(work, "the tied-gradient sum", peers))
         self.loss_scale.unscale(self.stepped)
         if self.zero is not None:
+            self.zero.mark_stepped(p for mine, _, _ in e.ties.copies for p in mine)   # every copy has the tie's sum
             self.zero.reduce_squares()
         self._decide(result)
         if result.skipped:

@@ -158,6 +158,7 @@ class ShardedOptimizer:
         self._gathers: dict[int, Any] = {}           # bucket -> its parameters' all-gather, not waited for yet
         for k, bucket in enumerate(sync.buckets):
             self._lay_out(k, bucket)
+        self._cut_state()
         order = [p for b in sync.buckets for p in b]
         self._slots = {id(p): j for j, p in enumerate(order)}   # -> _reduced
         n = len(order)
@@ -165,6 +166,30 @@ class ShardedOptimizer:
         # [squared norm per parameter, 0 (a parameter without a slot), got a gradient per parameter]: one all-reduce
         self._reduced = torch.zeros(2 * n + 1, dtype=torch.float64, device=device)
         self._index: dict[tuple[int, ...], torch.Tensor] = {}   # squares(): index tensors, made once per list
+
+    def _cut_state(self) -> None:
+        """State the optimizer holds already (Adagrad's ``sum`` from its constructor, or a state the factory
+        loaded): each parameter keeps its part's elements of every per-element tensor; one without a part here
+        keeps none (another replica steps it)."""
+        for segs in self.segments:
+            for seg in segs:
+                state = self.optimizer.state.get(seg.param)
+                if state:
+                    self.optimizer.state[seg.param] = {
+                        name: v.reshape(-1)[seg.start:seg.stop].clone()
+                        if isinstance(v, torch.Tensor) and v.numel() == seg.param.numel() > 1 and name not in SCALARS
+                        else v for name, v in state.items()}
+        bucketed = {id(p) for b in self.sync.buckets for p in b}
+        for p in [p for p in self.optimizer.state if id(p) in bucketed and id(p) not in self._parts]:
+            del self.optimizer.state[p]
+
+    def mark_stepped(self, params: Iterable[nn.Parameter]) -> None:
+        """These parameters have a gradient this step whatever their own hooks saw (tied copies, given the tie's
+        sum after the sync: as unsharded, every copy steps)."""
+        for p in params:
+            flag = self.sync.flag_of(p)
+            if flag is not None:
+                flag.fill_(1)
 
     def _lay_out(self, k: int, bucket: list[nn.Parameter]) -> None:
         size, n = self.sync.sizes[k], self.sync.size

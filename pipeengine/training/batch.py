@@ -89,8 +89,9 @@ def split_global_batch(dp: int, size: int | None, microbatches: int | None, micr
     return batch
 
 
-def _cannot_split(size: int, dp: int, microbatches: int | None, micro: int | None, given: bool) -> str:
-    what = f"--global-batch {size}" if given else f"the global batch ({size} by default)"
+def _cannot_split(size: int, dp: int, microbatches: int | None, micro: int | None, given: bool,
+                  what: str = "") -> str:
+    what = what or (f"--global-batch {size}" if given else f"the global batch ({size} by default)")
     if size < dp:
         return (f"{what} has fewer examples than dp {dp} has replicas; pass --global-batch {dp} or more (each "
                 f"replica takes at least one microbatch)")
@@ -122,12 +123,20 @@ def resume_batch(dp: int, saved: Batch, size: int | None, microbatches: int | No
     same_micro = _fit(saved.size, dp, None, saved.micro)
     if same_micro is not None and same_micro.microbatches < min(saved.microbatches, target):
         same_micro = None   # fewer microbatches than the pipeline had: a smaller micro-batch size first
-    kept = (_fit(saved.size, dp, microbatches, micro) if micro is not None or microbatches is not None else None) \
-        or same_micro or _fit(saved.size, dp, saved.microbatches, None) or _fit(saved.size, dp, None, None, target)
+    asked = [(m, b) for m, b in ((microbatches, micro), (None, micro), (microbatches, None))
+             if (m, b) != (None, None)]
+    both = [b for b in (_fit(saved.size, dp, m, mb) for m, mb in asked) if b is not None
+            and (microbatches is None or b.microbatches == microbatches or b.micro == micro)]
+    kept = (both[0] if both else None) or same_micro or _fit(saved.size, dp, saved.microbatches, None) \
+        or _fit(saved.size, dp, None, None, target)
     if kept is None:
         raise ValueError(f"the checkpoint's global batch {saved.size} has fewer examples than dp {dp} has replicas; "
                          f"pass --global-batch (at least {dp}) to continue on another batch")
-    if kept == saved:
+    dropped = [f"{flag} {v}" for flag, v, have in (("--microbatches", microbatches, kept.microbatches),
+                                                   ("--micro-batch-size", micro, kept.micro))
+               if v is not None and v != have]
+    if kept == saved and not dropped:
         return kept, None
-    return kept, (f"resuming with the checkpoint's {kept.describe(dp)} (it was {saved.microbatches} x "
-                  f"{saved.micro} per replica)")
+    unkept = f"; {' and '.join(dropped)} cannot hold with it at dp {dp}" if dropped else ""
+    return kept, (f"resuming with the checkpoint's {kept.describe(dp)} (it was {saved.total} microbatches of "
+                  f"{saved.micro}){unkept}")

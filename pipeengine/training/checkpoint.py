@@ -300,12 +300,12 @@ def _check(sd: dict[str, Any], md: Any, path: str) -> str | None:
 
 def read_failure(exc: BaseException) -> str:
     """The first failure inside DCP's exception (every rank's, gathered), as ``Type: message`` on one line; a file
-    that ended early or is not DCP's is said to be damaged."""
+    that ended early or does not unpickle is said to be damaged (an OSError says its own cause)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         exc = next(iter(failures.values()))[0]
     text = (str(exc).strip().splitlines() or [""])[0][:300]
-    damaged = isinstance(exc, (EOFError, OSError, pickle.UnpicklingError)) or "unexpected end" in text.lower()
+    damaged = isinstance(exc, (EOFError, pickle.UnpicklingError)) or "unexpected end" in text.lower()
     return f"{type(exc).__name__}: {text}" + (" (a damaged or truncated file)" if damaged else "")
 
 

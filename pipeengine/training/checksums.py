@@ -42,12 +42,17 @@ def gathered_checksums(local: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def layout_error(md: Any, info: Mapping[str, Any], path: str) -> str | None:
+# optimizer state that is per element (shaped like its parameter) in the optimizers ZeRO-1 shards (zero.py)
+PER_ELEMENT = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg",
+                         "grad_avg", "exp_inf"})
+
+
+def layout_error(md: Any, info: Mapping[str, Any], path: str, only: str = "") -> str | None:
     """Why the tensors DCP's metadata ``md`` describes do not add up, or None: a tensor whose pieces (offsets,
     sizes) leave part of it out, overlap or reach outside it; a shape other than the manifest's (``info``:
-    the manifest) or, for an optimizer state, other than its parameter's; a tensor the manifest lists that is
-    missing."""
-    tensors = {k: m for k, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
+    the manifest) or, for a per-element optimizer state, other than its parameter's; a tensor the manifest
+    lists that is missing. ``only``: check the keys starting with it (an export reads ``layers.``)."""
+    tensors = {k: m for k, m in md.state_dict_metadata.items() if hasattr(m, "chunks") and k.startswith(only)}
     for key, meta in tensors.items():
         why = _pieces_error(tuple(meta.size), [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks])
         if why:
@@ -55,14 +60,17 @@ def layout_error(md: Any, info: Mapping[str, Any], path: str) -> str | None:
     shapes = info.get("shapes")
     if isinstance(shapes, dict):
         for key, shape in shapes.items():
+            if not key.startswith(only):
+                continue
             if key not in tensors:
                 return f"checkpoint {path!r} does not add up: its manifest lists {key}, which its files do not hold"
             if list(tensors[key].size) != list(shape):
                 return (f"checkpoint {path!r} does not add up: {key} was written as {tuple(tensors[key].size)}, but "
                         f"its manifest says {tuple(shape)} (a part written as the whole?)")
     for key, meta in tensors.items():
-        param = tensors.get(key[len("optim."):].rpartition(".")[0]) if key.startswith("optim.") else None
-        if param is not None and tuple(meta.size) not in ((), tuple(param.size)) and _numel(meta.size) != 1:
+        owner, _, name = key[len("optim."):].rpartition(".")
+        param = tensors.get(owner) if key.startswith("optim.") and name in PER_ELEMENT else None
+        if param is not None and tuple(meta.size) != tuple(param.size):
             return (f"checkpoint {path!r} does not add up: {key} is {tuple(meta.size)} but its parameter is "
                     f"{tuple(param.size)} (a part written as the whole?)")
     return None

@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import json
 import os
 import re
 import sys
 from typing import Any, NoReturn, Sequence
 
-from .config import MODELS, Config, Setting, settings
+from .config import Config, Setting, settings, to_toml
+from .sections import MODELS
 
-__all__ = ["parse_args", "load_config", "to_toml", "main"]
+__all__ = ["parse_args", "load_config", "main"]
 
 
 def _presets() -> str:
@@ -141,26 +141,6 @@ def load_config(path: str) -> dict[str, Any]:
 def _hint(name: str, known: Sequence[str]) -> str:
     close = difflib.get_close_matches(name.replace("-", "_"), list(known), n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; the settings are {', '.join(sorted(set(known)))}"
-
-
-def to_toml(cfg: Config) -> str:
-    """Every setting as TOML, by section (unset ones commented out): a file to start from, and a run's record."""
-    lines = ["# pipeengine.train settings (python -m pipeengine.train --config FILE)"]
-    section = None
-    for s in settings():
-        if s.section != section:
-            section = s.section
-            lines += ["", f"[{section}]"]
-        value = s.get(cfg)
-        if value is None:
-            lines.append(f"# {s.name} =")
-        elif isinstance(value, bool):
-            lines.append(f"{s.name} = {str(value).lower()}")
-        elif isinstance(value, (int, float)):
-            lines.append(f"{s.name} = {value!r}")
-        else:
-            lines.append(f"{s.name} = {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:

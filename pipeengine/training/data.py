@@ -21,7 +21,7 @@ from ..runtime.tensors import crc32
 from .batch import Batch
 
 __all__ = ["Source", "data_digest", "stream_indices", "global_batch_indices", "replica_share", "batches",
-           "replica_batches", "split_microbatches", "SourceDataset", "StepSampler", "step_loader"]
+           "replica_batches", "split_microbatches", "SourceDataset", "StepSampler", "step_loader", "example_crc"]
 
 
 class Source(Protocol):
@@ -154,19 +154,19 @@ def data_digest(source: Source) -> str:
     n, v = source.num_examples("train"), source.num_examples("val")
     crc = 0
     for i in sorted({0, n - 1} if n else set()):
-        crc = _crc(source.example("train", i), crc)
+        crc = example_crc(source.example("train", i), crc)
     return f"{n:,} training and {v:,} validation examples, first and last crc32 {crc:08x}"
 
 
-def _crc(x: Any, crc: int) -> int:
+def example_crc(x: Any, crc: int = 0) -> int:
     if isinstance(x, torch.Tensor):
         return crc32(x, crc)
     if isinstance(x, (tuple, list)):
         for item in x:
-            crc = _crc(item, crc)
+            crc = example_crc(item, crc)
         return crc
     if isinstance(x, dict):
         for key in sorted(x, key=str):
-            crc = _crc(x[key], zlib.crc32(str(key).encode(), crc))
+            crc = example_crc(x[key], zlib.crc32(str(key).encode(), crc))
         return crc
     return zlib.crc32(repr(x).encode(), crc)

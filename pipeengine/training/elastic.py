@@ -63,8 +63,10 @@ def replan_pp(world: int, pp: int, stages_per_position: int, state: ModelState, 
             f"({world // pp * pp or pp}) or with more memory per rank")
     best = min(fits, key=lambda d: (abs(math.log(d / pp)), -d))
     need = state.per_rank(best, world // best)
+    shallower = (f"no deeper one fits the model's {layers} layers" if not any(d > pp for d in fits)
+                 else "deeper ones are further from it")
     why = ("deeper: less memory per rank" if best > pp else
-           f"no deeper one fits the model's {layers} layers; it holds an estimated {_gib(need)} of model state per "
-           f"rank, within {HEADROOM:.0%} of {_gib(capacity)}")
+           f"{shallower}; it holds an estimated {_gib(need)} of model state per rank, within {HEADROOM:.0%} of "
+           f"{_gib(capacity)}")
     return best, (f"elastic: {world} processes: pp {best} x dp {world // best} (--pp {pp} does not divide {world}; "
                   f"pp {best} is the nearest that does and fits: {why})")

@@ -31,7 +31,7 @@ def export(path: str, out: str) -> int:
     path = resolve(path)
     _check_output(out)
     md, info = metadata(path), manifest(path)
-    why = layout_error(md, info, path)
+    why = layout_error(md, info, path, only="layers.")
     if why:
         raise CheckpointError(why)
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()

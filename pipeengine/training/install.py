@@ -36,9 +36,9 @@ def install_problem(torch_version: str | None = None, torchvision_version: str |
         try:
             torchvision_version = version("torchvision")
         except PackageNotFoundError:
-            return None   # only the ResNet needs it; its import says so
+            torchvision_version = ""   # only the ResNet needs it; its import says so
     want = torchvision_for(torch_version)
-    if ".".join(map(str, _release(torchvision_version))) != want:
+    if torchvision_version and ".".join(map(str, _release(torchvision_version))) != want:
         return (f"torchvision {torchvision_version} does not match torch {torch_version} (its compiled operators "
                 f"would fail to load): pip install 'torchvision=={want}.*' (or the torch that torchvision "
                 f"{torchvision_version} was built for)")

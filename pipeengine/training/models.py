@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .checks import BUILTIN_MODELS
+from .feed import check_data
 
 __all__ = ["Model", "load_model", "pick_preset"]
 
@@ -42,8 +43,12 @@ class Model:
     - ``layers``: a factory per layer, called in order on each rank for the layers it holds (no rank
       builds the whole model); layer ``i`` takes layer ``i - 1``'s output (a tuple stays a tuple).
     - ``loss_fn(output, target)``: the mean loss of a microbatch (default: cross-entropy).
-    - ``data``: examples by index, for the command line (``num_examples(split)`` and ``example(split,
-      i)`` returning ``(input, target)``, split ``"train"`` or ``"val"``; see ``training/data.py``).
+    - ``data``: what the trainer trains on: a ``torch.utils.data.Dataset`` giving ``(input, target)``
+      pairs, an ``IterableDataset`` of them (a stream every rank reads alike), or examples by index
+      (``num_examples(split)`` and ``example(split, i)``, split ``"train"`` or ``"val"``: the built-in
+      models' form); see ``training/feed.py``.
+    - ``val_data``: a Dataset (or IterableDataset) to validate on, for a ``data`` that is a Dataset
+      (None: no validation; the protocol form brings its own ``"val"`` split).
     - ``tied``: groups of ``(layer, parameter name)`` that are one weight (e.g. the embedding and the
       LM head); each group's first entry gives the initial value.
     - ``tokens_per_example``: for tokens/s (sequence models); ``preset``: the size chosen, for logs.
@@ -55,6 +60,7 @@ class Model:
     tied: Sequence[Sequence[tuple[int, str]]] = field(default_factory=list)
     tokens_per_example: int | None = None
     preset: str | None = None
+    val_data: Any = None
 
 
 def pick_preset(model: str, table: Mapping[str, Callable[[], Any]], preset: str | None, default: str) -> Any:
@@ -112,9 +118,10 @@ def load_model(spec: str, preset: str | None, data: str | None, dropout: float |
                          f"returning an nn.Module)")
     if not callable(model.loss_fn):
         raise ValueError(f"--model {spec!r}: Model.loss_fn must be callable as loss_fn(output, target)")
-    methods = ("num_examples", "example")
-    if model.data is not None and not all(callable(getattr(model.data, m, None)) for m in methods):
-        raise ValueError(f"--model {spec!r}: Model.data must have num_examples(split) and example(split, index) "
-                         f"(got {type(model.data).__name__})")
+    try:
+        check_data(model.data)
+        check_data(model.val_data, "Model.val_data")
+    except ValueError as exc:
+        raise ValueError(f"--model {spec!r}: {exc}") from None
     model.layers = list(model.layers)
     return model

@@ -87,14 +87,16 @@ def summary_text(s: dict[str, Any]) -> str:
     memory = "  ".join(f"{p}: {memory_text(m)}" for p, m in s["peak_memory_mib"].items()) or "n/a"
     g = s["global_batch"]
     name, ran = cfg["schedule"]["name"], s.get("schedule_run", cfg["schedule"]["name"])
+    model = cfg["model"]["name"] + (f"/{cfg['model']['preset']}" if cfg["model"]["preset"] else "")
     return "\n".join([
         "=" * 72,
-        f"model {cfg['model']['name']}/{cfg['model']['preset']}  schedule {name if ran == name else f'{name} ({ran})'}"
+        f"model {model}  schedule {name if ran == name else f'{name} ({ran})'}"
         f"  pp {s['pp']} x "
         f"dp {s['dp']}{'  zero 1' if cfg['parallel'].get('zero') and s['dp'] > 1 else ''}  "
         f"{Batch(g, cfg['schedule']['microbatches'], cfg['data']['micro_batch_size']).describe(s['dp'])}  "
         f"steps {cfg['optimizer']['steps']}",
-        f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation {s['val_loss']:.4f}",
+        f"loss       first {s['first_loss']:.4f}  final {s['final_loss']:.4f}  validation "
+        + ("n/a (no validation data)" if s["val_loss"] is None else f"{s['val_loss']:.4f}"),
         f"throughput {s['steps_per_s']:.2f} steps/s  {s['samples_per_s']:,.1f} samples/s{tok}  (wall time of the "
         f"steps after warm-up,\n           data, evaluation, saves and logging included; median pipeline step "
         f"{s['median_step_s'] * 1000:.1f} ms)",

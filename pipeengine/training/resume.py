@@ -192,12 +192,13 @@ def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tu
     change = None if saved_world in (None, world) else {
         "step": int(info["step"]), "from": saved_world, "to": world, "pp": engine.topology.pp,
         "dp": engine.topology.dp, "microbatches": engine.microbatches}
-    return int(info["step"]), _examples(info), change
+    return int(info["step"]), _examples(info, cfg.batch.size), change
 
 
-def _examples(info: dict[str, Any]) -> int:
-    """The examples a checkpoint's run consumed (its manifest's ``examples``; older ones: step x its global batch)."""
+def _examples(info: dict[str, Any], batch: int) -> int:
+    """The examples a checkpoint's run consumed (its manifest's ``examples``; older ones, or one the engine API
+    saved: step x its global batch, else this run's ``batch``)."""
     if isinstance(info.get("examples"), int):
         return int(info["examples"])
     saved = _saved_batch(info)
-    return int(info["step"]) * (saved.size if saved is not None else 0)
+    return int(info["step"]) * (saved.size if saved is not None else batch)

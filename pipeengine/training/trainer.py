@@ -18,19 +18,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.agree import on_every_rank, same_settings
+from ..runtime.agree import gathered, on_every_rank, same_settings
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.layers import sizing_layers
 from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
 from ..schedule.builders import schedule_bubble
-from .checkpoint import AsyncSaver, CheckpointError, save
-from .cli import to_toml
+from .checkpoint import CheckpointError
 from .checks import partition_arg, writable_folder
-from .config import Config
+from .config import Config, to_toml
 from .console import link_rank_logs
-from .data import data_digest, replica_batches, split_microbatches, step_loader
+from .feed import Feed
 from .distributed import init_distributed
 from .elastic import ModelState, replan_pp
 from .install import install_problem
@@ -39,6 +38,7 @@ from .report import oversubscribed, progress_line, summary_text, write_json
 from .reporter import Reporter
 from .resources import flops_per_example, memory_text, peak_tflops, process_age, rank_memory, slow_bf16_hint
 from .resume import ResumePoint, pick_checkpoint, resume
+from .saves import Saves
 from .savedir import check_shared
 from .stopping import StopRequest
 from .tensorboard import MetricsWriter
@@ -63,14 +63,13 @@ class RunState:
 
 class Trainer:
     """One training run (see the module docstring). ``run()`` does it all; the parts are public for programs
-    that drive the loop themselves: ``setup()``, ``train_step(step)``, ``evaluate(step)``, ``save(step)``,
+    that drive the loop themselves: ``setup()``, ``train_step(step)``, ``evaluate(step)``, ``saves.save(step)``,
     ``summary()``."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device, self.owned = init_distributed(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.last_save_s: float | None = None   # how long the last save made the step wait
 
     # ------------------------------------------------------------------ set-up
 
@@ -78,57 +77,68 @@ class Trainer:
         """Everything before the first step; a bad input raises ValueError on every rank alike."""
         cfg = self.cfg
 
-        def check() -> tuple[Topology, Model]:
+        def load() -> Model:
             problem = install_problem()
             if problem:
                 raise ValueError(problem)
             torch.manual_seed(cfg.model.seed)   # a model whose data is drawn at random draws it alike on every rank
             model = load_model(cfg.model.name, cfg.model.preset, cfg.data.path, cfg.model.dropout)
-            topo = cfg.resolve(self.world, functools.partial(self._replan, model))
             if model.data is None:
                 raise ValueError(f"--model {cfg.model.name!r} gives no data (Model.data is None): the trainer needs "
-                                 f"examples by index; see README: your own model")
-            cfg.model.preset = model.preset or cfg.model.preset
-            stages = topo.pp * cfg.schedule.chunks
+                                 f"a Dataset or examples by index; see README: your own model")
+            return model
+
+        def check() -> Topology:
+            topo = cfg.resolve(self.world, functools.partial(self._replan, self.model, capacity))
+            cfg.model.preset = self.model.preset or cfg.model.preset
+            model, stages = self.model, topo.pp * cfg.schedule.chunks
             if len(model.layers) < stages:
                 raise ValueError(f"{cfg.model.name} ({cfg.model.preset}) has {len(model.layers)} layers but "
                                  f"pp={topo.pp} x chunks={cfg.schedule.chunks} needs {stages} stages; use fewer "
                                  f"stages or a deeper preset")
             if self.rank == 0:   # only rank 0 writes logs
                 writable_folder(cfg.logging.dir, "--log-dir")
-            return topo, model
+            return topo
 
-        # one rank's bad input (a local path) is every rank's error; then every setting and the data compared
-        self.topo, self.model = on_every_rank(check)
+        # one rank's bad input (a local path) is every rank's error; an elastic re-plan is every rank's (the least
+        # memory a rank has); then every setting and the data compared
+        self.model = on_every_rank(load)
+        capacity = min(gathered(rank_memory(self.device), None))
+        self.topo = on_every_rank(check)
         label = cfg.model.name.rpartition(":")[2]   # a function's name for package.module:function
         self.run_dir = os.path.join(cfg.logging.dir, cfg.logging.run_name or (
             f"{label}-{cfg.schedule.name}-pp{self.topo.pp}dp{self.topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}"))
         if self.rank == 0:   # from the start: a failure in set-up has its ranks' logs there too
             link_rank_logs(self.run_dir)
-        same_settings({**cfg.computation(), "data (--data)": data_digest(self.model.data)})
+        self.feed = Feed(self.model.data, self.model.val_data, cfg.model.seed, cfg.batch, self.topo.dp,
+                         self.topo.replica_of(self.rank), cfg.optimizer.steps, self._workers(),
+                         self.device.type == "cuda")
+        same_settings({**cfg.computation(), "data (--data)": self.feed.digest()})
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
             check_shared(cfg.saving.dir, claim=bool(cfg.saving.interval or cfg.saving.on_exit))   # one folder
         point = pick_checkpoint(cfg, self.topo, len(self.model.layers))
         if point is not None and point.batch is not None:   # the checkpoint's global batch, kept
             cfg.set_batch(point.batch)
-        self.batch = cfg.batch
+        self.batch = self.feed.batch = cfg.batch
         self.engine = self._engine(point)
         start, examples, self.world_change = resume(cfg, self.engine, point)   # (at another size: world_change)
         self.state = RunState(start=start)
-        self._position = (start, examples)   # the data position (examples consumed) at a step: position()
+        self.feed.start = (start, examples)   # the data position (examples consumed) at the first step
         self.warm = max(1, min(5, cfg.optimizer.steps // 20))   # steps left out of the timing figures
         self.timeline_steps = {min(self.state.start + self.warm, cfg.optimizer.steps - 1), cfg.optimizer.steps - 1}
-        self._loader: Any = None   # the data loader's iterator and the step it gives next (_train_data)
-        self._loader_step = -1
 
-    def _replan(self, model: Model, world: int, pp: int, chunks: int) -> tuple[int, str]:
-        """An elastic group's pp at a world --pp does not divide (elastic.py), from the model's size and the memory
-        a rank has here."""
+    def _workers(self) -> int:
+        workers = self.cfg.data.workers
+        return workers if workers is not None else (2 if self.device.type == "cuda" else 0)
+
+    def _replan(self, model: Model, capacity: float, world: int, pp: int, chunks: int) -> tuple[int, str]:
+        """An elastic group's pp at a world --pp does not divide (elastic.py), from the model's size and the least
+        memory a rank has (``capacity``: the same on every rank, so every rank takes the same pp)."""
         state = ModelState([sum(p.numel() * p.element_size() for p in m.parameters())
                             for m in sizing_layers(model.layers)],
                            optimizer_states=2 if self.cfg.optimizer.name == "adamw" else 1,
                            zero=self.cfg.parallel.zero == 1)
-        return replan_pp(world, pp, chunks, state, rank_memory(self.device))
+        return replan_pp(world, pp, chunks, state, capacity)
 
     def _engine(self, point: ResumePoint | None) -> PipelineEngine:
         cfg, model = self.cfg, self.model
@@ -137,9 +147,7 @@ class Trainer:
                 and cfg.schedule.name != "auto"):   # auto plans again, from this run's measurements
             # the checkpoint's measured bounds and schedule costs: the resumed run computes as the first did
             partition, costs = point.bounds, point.costs
-        sample = None
-        if partition == "profile":   # time the layers on the run's first microbatch
-            sample = replica_batches(model.data, "train", 0, cfg.model.seed, self.batch, self.topo.dp, 0)[0]
+        sample = self.feed.sample() if partition == "profile" else None   # the profile times the first microbatch
         cap = cfg.schedule.memory_cap
         return PipelineEngine(
             model.layers, model.loss_fn, cfg.optimizer.build, topology=self.topo, schedule=cfg.schedule.name,
@@ -157,7 +165,7 @@ class Trainer:
             self.writer.log_world_change(self.world_change)
         flops = None
         if self.rank == 0:   # counted on the meta device: no memory, no compute
-            flops = flops_per_example(self.model.layers, self.model.data.example("train", 0)[0])
+            flops = flops_per_example(self.model.layers, self.feed.first_input())
         self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.batch.size,
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
@@ -168,7 +176,8 @@ class Trainer:
                 print(self.engine.plan.choice.describe(self.engine.schedule.name))
             if self.engine.plan.auto is not None:
                 print(self.engine.plan.auto.describe())
-            print(f"model {cfg.model.name}/{cfg.model.preset}: {self.engine.num_layers} layers, stage bounds "
+            print(f"model {cfg.model.name}{'/' + cfg.model.preset if cfg.model.preset else ''}: "
+                  f"{self.engine.num_layers} layers, stage bounds "
                   f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.describe(topo.dp)}; "
                   f"logs in {self.run_dir}")
             hint = slow_bf16_hint(self.device, cfg.precision.mode)
@@ -177,41 +186,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _train_data(self, step: int) -> tuple[Any, float]:
-        """Step ``step``'s microbatches for this replica and the seconds spent waiting for them. Read ahead by
-        a DataLoader (--data-workers) on the ranks that read data; None on the others."""
-        if not self.engine.needs_data:
-            return None, 0.0
-        cfg = self.cfg
-        t = time.perf_counter()
-        if self._loader is None or step != self._loader_step:   # the first step, or steps taken out of order
-            self._close_data()
-            cuda = self.device.type == "cuda"
-            workers = cfg.data.workers if cfg.data.workers is not None else (2 if cuda else 0)
-            self._loader = iter(step_loader(self.model.data, cfg.model.seed, self.batch, self.topo.dp,
-                                            self.engine.replica, step, cfg.optimizer.steps, self.position(step),
-                                            workers, pin_memory=cuda))
-        batch = next(self._loader)
-        self._loader_step = step + 1
-        return iter(split_microbatches(batch, self.engine.microbatches)), time.perf_counter() - t
-
-    def position(self, step: int) -> int:
-        """The data position at ``step``: the examples consumed before it (a resumed run goes on from its
-        checkpoint's, whatever the global batch was then)."""
-        start, examples = self._position
-        return examples + (step - start) * self.batch.size
-
-    def _close_data(self) -> None:
-        """Stop the loader's worker processes (if any)."""
-        self._loader, self._loader_step = None, -1
-
     def evaluate(self, step: int) -> float:
-        """The validation loss on step ``step``'s validation batch."""
-        data = None
-        if self.engine.needs_data:
-            data = iter(replica_batches(self.model.data, "val", step * self.batch.size, self.cfg.model.seed,
-                                        self.batch, self.topo.dp, self.engine.replica))
-        return float(self.engine.eval_batch(data).loss)
+        """The validation loss on step ``step``'s validation batch (NaN without validation data)."""
+        if not self.feed.has_val:
+            return math.nan
+        return float(self.engine.eval_batch(self.feed.val(step) if self.engine.needs_data else None).loss)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step with its logging (every rank; rank 0 writes). ``last_data_s`` and ``last_step_s``
@@ -219,7 +198,7 @@ class Trainer:
         cfg, engine = self.cfg, self.engine
         lr = cfg.lr_at(step)
         engine.set_lr(lr)
-        data, self.last_data_s = self._train_data(step)
+        data, self.last_data_s = self.feed.train(step) if engine.needs_data else (None, 0.0)
         t = time.perf_counter()
         res = engine.train_batch(data)
         self.last_step_s = time.perf_counter() - t
@@ -240,43 +219,11 @@ class Trainer:
                                               else {})})
         return res
 
-    def save(self, step: int, newline: bool = False) -> None:
-        """A checkpoint of the state after ``step`` steps (every rank; in the background with --async-save)."""
+    def _manifest(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of this run records beside the engine's state."""
         cfg = self.cfg
-        t_save = time.perf_counter()
-        extra = {"model": cfg.model.name, "preset": cfg.model.preset, "config": cfg.to_dict(),
-                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "examples": self.position(step)}
-        keep = cfg.saving.keep or None
-        if self.saver is None:
-            saved = save(self.engine, cfg.saving.dir, step, keep=keep, extra=extra)
-        else:
-            self._publish_background(newline)   # the previous background save, made visible
-            saved = self.saver.save(self.engine, cfg.saving.dir, step, keep=keep, extra=extra)
-        self.last_save_s = time.perf_counter() - t_save
-        if self.rank == 0:
-            how = "the step waited" if self.saver else "saved"
-            print(f"{chr(10) if newline else ''}{saved}: {how} {self.last_save_s:.2f} s")
-
-    def _exit_save(self, step: int, signum: int) -> None:
-        """The save on a stop request; on SIGTERM bounded by --exit-save-budget (torchrun's SIGKILL follows)."""
-        budget = self.cfg.saving.exit_budget
-        if signum == signal.SIGTERM and self.last_save_s is not None and self.last_save_s > budget:
-            if self.rank == 0:
-                print(f"exit save skipped: the last save took {self.last_save_s:.1f} s, more than the "
-                      f"{budget:g} s allowed after SIGTERM (--exit-save-budget); the newest checkpoint stands",
-                      file=sys.stderr)
-            return
-        self.save(step)
-        if self.rank == 0 and signum == signal.SIGTERM:
-            print(f"exit save: {self.last_save_s:.1f} s of the {budget:g} s allowed after SIGTERM", file=sys.stderr)
-
-    def _publish_background(self, newline: bool = False, wait: bool = True) -> None:
-        """Make a finished background save visible (``wait``: wait for the one in flight first)."""
-        if self.saver is None:
-            return
-        published = self.saver.finish() if wait else self.saver.poll()
-        if published and self.rank == 0:
-            print(f"{chr(10) if newline else ''}saved {published} (in the background)")
+        return {"model": cfg.model.name, "preset": cfg.model.preset, "config": cfg.to_dict(),
+                "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "examples": self.feed.position(step)}
 
     # ------------------------------------------------------------------ summary
 
@@ -285,7 +232,7 @@ class Trainer:
         cfg, state, nan = self.cfg, self.state, float("nan")
         return {"config": cfg.to_dict(), "pp": self.topo.pp, "dp": self.topo.dp, "status": state.status,
                 "first_step": state.start, "steps_done": state.done, "first_loss": (state.losses or [nan])[0],
-                "final_loss": (state.losses or [nan])[-1], "val_loss": state.val_loss,
+                "final_loss": (state.losses or [nan])[-1], "val_loss": state.val_loss if self.feed.has_val else None,
                 "losses": state.losses, "skipped_steps": self.engine.skipped_steps,
                 **self.reporter.figures(state.start),
                 "closed_form_bubble": schedule_bubble(self.engine.schedule), "schedule_run": self.engine.schedule.name,
@@ -310,8 +257,7 @@ class Trainer:
         cfg = self.cfg
         self.is_tty = sys.stdout.isatty() and not cfg.logging.quiet
         self.stop = StopRequest(lambda signum: setattr(self.engine, "stop_request", signum))
-        self.saver = (AsyncSaver(cfg.faults.collective_timeout)
-                      if cfg.saving.background and (cfg.saving.interval or cfg.saving.on_exit) else None)
+        self.saves = Saves(cfg, self.engine, self.rank, self._manifest)
         code = 0
         try:
             code = self._loop()
@@ -332,7 +278,7 @@ class Trainer:
             self.state.status = f"failed: {type(exc).__name__}: {exc}"
             raise
         finally:
-            self._close_data()
+            self.feed.close()
             self.stop.restore()
             self.writer.close()
             self._write_summary()
@@ -360,9 +306,9 @@ class Trainer:
                 state.val_loss = self.evaluate(step)
                 self.writer.log_eval(step, state.val_loss)
             if cfg.saving.interval and ((step + 1) % cfg.saving.interval == 0 or step + 1 == steps):
-                self.save(step + 1, self.is_tty)
-            elif self.saver is not None:   # a background save is published as soon as every rank wrote it
-                self._publish_background(self.is_tty, wait=False)
+                self.saves.save(step + 1, self.is_tty)
+            else:   # a background save is published as soon as every rank wrote it
+                self.saves.publish(self.is_tty, wait=False)
             t_start, t_end = t_end, time.perf_counter()
             self.reporter.step_done(step, t_end - t_start, self.last_data_s, self.last_step_s)
             if self.rank == 0 and not cfg.logging.quiet and (
@@ -381,13 +327,13 @@ class Trainer:
             if self.rank == 0:
                 print(f"{self._nl()}{name}: every rank stopped after step {state.done}", file=sys.stderr)
             if cfg.saving.on_exit and not (cfg.saving.interval and state.done % cfg.saving.interval == 0):
-                self._exit_save(state.done, stopped)
+                self.saves.on_exit(state.done, stopped)
             code = 128 + stopped
         else:
             state.val_loss = self.evaluate(steps)
             self.writer.log_eval(steps - 1, state.val_loss)   # at the last training step
             state.status = "done"
-        self._publish_background()
+        self.saves.publish()
         return code
 
     def _stopped_nonfinite(self, exc: NonFiniteError) -> int:
@@ -395,7 +341,7 @@ class Trainer:
         if self.rank == 0:
             print(f"{self._nl()}error: {exc}", file=sys.stderr)
         try:   # a background save still in flight is made visible (every rank is here)
-            self._publish_background()
+            self.saves.publish()
         except CheckpointError as failed:   # raised on every rank alike
             if self.rank == 0:
                 print(f"error: {failed}", file=sys.stderr)

@@ -8,6 +8,7 @@ differently, so they must agree to fp64 round-off and the largest difference is 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from typing import Any
@@ -166,22 +167,23 @@ def _idiom_layers() -> list[Any]:
             lambda: nn.Linear(8, 8), lambda: nn.Linear(8, 1), nn.Identity]
 
 
-def _user_optimizer(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """Decay and no-decay groups, as users write them; a parameter marked ``left_out`` in neither."""
+def _user_optimizer(ps: list[nn.Parameter], cls: Any = torch.optim.AdamW) -> torch.optim.Optimizer:
+    """Decay and no-decay groups, as users write them; a parameter marked ``left_out`` in neither. (Adagrad makes
+    its state in its constructor: the sharded optimizer keeps each part's share of it.)"""
     kept = [p for p in ps if not getattr(p, "left_out", False)]
-    return torch.optim.AdamW([{"params": [p for p in kept if p.ndim > 1], "weight_decay": 0.1},
-                              {"params": [p for p in kept if p.ndim <= 1], "weight_decay": 0.0, "lr": 0.05}],
-                             lr=0.01)
+    return cls([{"params": [p for p in kept if p.ndim > 1], "weight_decay": 0.1},
+                {"params": [p for p in kept if p.ndim <= 1], "weight_decay": 0.0, "lr": 0.05}], lr=0.01)
 
 
-def _idioms(rank: int, world: int, pp: int, shard: bool) -> dict[str, Any]:
+def _idioms(rank: int, world: int, pp: int, shard: bool, adagrad: bool = False) -> dict[str, Any]:
     from pipeengine.runtime.engine import PipelineEngine
     from pipeengine.runtime.topology import Topology
     from tests.runtime.equivalence import batch, replica_iter
     torch.set_default_dtype(torch.float64)
     try:
         dp, m = world // pp, 2
-        engine = PipelineEngine(_idiom_layers(), nn.functional.mse_loss, _user_optimizer,
+        factory = functools.partial(_user_optimizer, cls=torch.optim.Adagrad) if adagrad else _user_optimizer
+        engine = PipelineEngine(_idiom_layers(), nn.functional.mse_loss, factory,
                                 topology=Topology(pp=pp, dp=dp), microbatches=m, wire="strict", bucket_mb=2e-4,
                                 partition=[0, 9, 10] if pp == 2 else "parameters", shard_optimizer=shard)
         opt = engine.optimizer
@@ -210,14 +212,15 @@ def _idioms(rank: int, world: int, pp: int, shard: bool) -> dict[str, Any]:
         torch.set_default_dtype(torch.float32)
 
 
-@pytest.mark.parametrize("pp, world", [(1, 2), (2, 4), (1, 4)],
-                         ids=["pp1dp2", "pp2dp2-a-stage-without-parameters", "pp1dp4"])
-def test_the_loops_users_write_train_sharded_as_unsharded(pp: int, world: int, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("pp, world, adagrad", [(1, 2, False), (2, 4, False), (1, 4, False), (1, 2, True)],
+                         ids=["pp1dp2", "pp2dp2-a-stage-without-parameters", "pp1dp4", "pp1dp2-adagrad"])
+def test_the_loops_users_write_train_sharded_as_unsharded(pp: int, world: int, adagrad: bool,
+                                                          request: pytest.FixtureRequest) -> None:
     """zero_grad both ways, an LR scheduler, hyperparameters changed by hand, decay / no-decay groups, a weight left
     out of every group, a frozen bias, layers without parameters (a whole stage of them at pp 2): the user's own
     optimizer object, sharded, trains as unsharded (bitwise at dp 2, fp64 round-off at dp 4)."""
     pool = request.getfixturevalue(f"world{world}")
-    plain, sharded = pool.run(_idioms, pp, False), pool.run(_idioms, pp, True)
+    plain, sharded = pool.run(_idioms, pp, False, adagrad), pool.run(_idioms, pp, True, adagrad)
     for a, b in zip(plain, sharded):
         assert b["same_object"] and b["groups"] == a["groups"], (a["groups"], b["groups"])
         assert b["round_trip"] and a["round_trip"]

@@ -46,16 +46,17 @@ def test_a_global_batch_that_cannot_split_names_the_flags(dp: int, given: tuple[
 
 @pytest.mark.parametrize("dp, given, want, note", [
     (2, (None, None, None), Batch(32, 4, 4), "resuming with the checkpoint's global batch 32 = dp 2 x 4 "
-                                             "microbatches x 4 (it was 4 x 8 per replica)"),   # 4 per replica kept
+                                             "microbatches x 4 (it was 4 microbatches of 8)"),   # 4 per replica kept
     (1, (None, None, None), Batch(32, 4, 8), None),
     (4, (None, 4, 4), Batch(32, 2, 4), "resuming with the checkpoint's global batch 32 = dp 4 x 2 microbatches "
-                                       "x 4 (it was 4 x 8 per replica)"),   # the same command line as at dp 1
+                                       "x 4 (it was 4 microbatches of 8); --microbatches 4 cannot hold with it at "
+                                       "dp 4"),   # the same command line as at dp 1: -b holds
+    # 8 per microbatch cannot stay
     (8, (None, None, None), Batch(32, 4, 1), "resuming with the checkpoint's global batch 32 = dp 8 x 4 "
-                                             "microbatches x 1 (it was 4 x 8 per replica)"),   # 8 per microbatch
-                                                                                               # cannot stay
+                                             "microbatches x 1 (it was 4 microbatches of 8)"),
     (3, (None, None, None), Batch(32, 6, 2), "resuming with the checkpoint's global batch 32 = 16 microbatches x 2 "
-                                             "over dp 3 (6 on replica 0, 5 on the others) (it was 4 x 8 per "
-                                             "replica)"),
+                                             "over dp 3 (6 on replica 0, 5 on the others) (it was 4 microbatches "
+                                             "of 8)"),
     (2, (64, None, None), Batch(64, 4, 8), "global batch 32 -> 64 on resume (--global-batch): the run continues "
                                            "on another batch than the saved one"),
 ])
@@ -67,8 +68,15 @@ def test_a_resumed_run_keeps_the_saved_global_batch(dp: int, given: tuple[int | 
 def test_a_saved_global_batch_goes_on_at_any_dp_and_refuses_only_fewer_examples_than_replicas() -> None:
     assert resume_batch(3, Batch(32, 4, 8), None, None, 4) == (   # -b 4 given: 8 microbatches as 3, 3, 2
         Batch(32, 3, 4), "resuming with the checkpoint's global batch 32 = 8 microbatches x 4 over dp 3 (3 on "
-                         "replicas 0-1, 2 on the others) (it was 4 x 8 per replica)")
+                         "replicas 0-1, 2 on the others) (it was 4 microbatches of 8)")
     assert resume_batch(3, Batch(32, 4, 2), None, None, None, pp=2)[0] == Batch(32, 6, 2)   # 8 -> 6 ranks at pp 2
     with pytest.raises(ValueError, match=r"the checkpoint's global batch 32 has fewer examples than dp 33 has "
                                          r"replicas; pass --global-batch \(at least 33\)"):
         resume_batch(33, Batch(32, 4, 8), None, None, None)
+
+
+def test_a_resume_honours_the_split_asked_for_or_says_which_flag_cannot_hold() -> None:
+    assert resume_batch(3, Batch(32, 4, 8), None, 6, 2)[0] == Batch(32, 6, 2)   # 16 of 2 over dp 3: 6, 5, 5
+    batch, note = resume_batch(3, Batch(32, 4, 8), None, 8, 2)   # an elastic restart keeps its flags: -b holds
+    assert batch == Batch(32, 6, 2) and note is not None and note.endswith("; --microbatches 8 cannot hold with it "
+                                                                           "at dp 3"), note

@@ -153,7 +153,7 @@ def train_step(self, n):
     if n == 3:
         while os.path.isdir(os.path.join(self.cfg.saving.dir, ".tmp-step-00000002")):
             time.sleep(0.05)   # the loop publishes it at a step boundary: wait for the write, then end
-            self._publish_background(wait=False)
+            self.saves.publish(wait=False)
         os._exit(9)
     return result
 trainer.Trainer.train_step = train_step
@@ -417,23 +417,23 @@ def test_a_save_dir_that_is_not_one_folder_for_every_node_is_refused(tmp_path: P
 def test_the_save_on_sigterm_is_bounded_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     import signal as signals
 
-    from pipeengine.training.trainer import Trainer
-    t = Trainer.__new__(Trainer)   # only what the exit save reads
+    from pipeengine.training.saves import Saves
+    t = Saves.__new__(Saves)   # only what the exit save reads
     t.cfg, t.rank, saved = parse_args(["--exit-save-budget", "20"]), 0, []
 
     def fake_save(step: int, newline: bool = False) -> None:
         saved.append(step)
-        t.last_save_s = 3.0
+        t.last_s = 3.0
     t.save = fake_save   # type: ignore[method-assign]
-    t.last_save_s = 41.0   # the last save took longer than torchrun's grace
-    t._exit_save(7, signals.SIGTERM)
+    t.last_s = 41.0   # the last save took longer than torchrun's grace
+    t.on_exit(7, signals.SIGTERM)
     assert saved == [] and "exit save skipped: the last save took 41.0 s, more than the 20 s allowed after " \
                            "SIGTERM (--exit-save-budget)" in capsys.readouterr().err
-    t.last_save_s = 2.0
-    t._exit_save(7, signals.SIGTERM)
+    t.last_s = 2.0
+    t.on_exit(7, signals.SIGTERM)
     assert saved == [7] and "exit save: 3.0 s of the 20 s allowed after SIGTERM" in capsys.readouterr().err
-    t.last_save_s = 41.0
-    t._exit_save(8, signals.SIGINT)   # Ctrl-C: no launcher's deadline follows
+    t.last_s = 41.0
+    t.on_exit(8, signals.SIGINT)   # Ctrl-C: no launcher's deadline follows
     assert saved == [7, 8]
 
 
@@ -473,8 +473,8 @@ def test_resuming_under_another_layout_keeps_the_global_batch(tmp_path: Path, wo
     for resumed in (resumed_dp2, resumed_pp4):
         assert resumed["first_step"] == 3 and resumed["batch"] == 32
         torch.testing.assert_close(resumed["losses"], straight["losses"][3:], rtol=1e-5, atol=0)
-    assert "resuming with the checkpoint's global batch 32 = dp 2 x 4 microbatches x 4 (it was 4 x 8 per " \
-           "replica)" in resumed_dp2["text"]   # the pipeline keeps its 4 microbatches per replica
+    assert "resuming with the checkpoint's global batch 32 = dp 2 x 4 microbatches x 4 (it was 4 microbatches " \
+           "of 8)" in resumed_dp2["text"]   # the pipeline keeps its 4 microbatches per replica
     assert "global batch" not in resumed_pp4["text"].split("resumed from")[0]   # 4 x 8 at dp 1 still: no note
 
 

@@ -109,8 +109,8 @@ def test_the_engine_and_the_command_line_check_with_the_same_functions() -> None
     """One place per check: the command line takes the engine's choices and checks from runtime/options.py,
     which imports no torch."""
     from pipeengine.runtime import options
-    from pipeengine.training import config
-    assert config.PRECISIONS is options.PRECISIONS and config.WIRE_MODES is options.WIRE_MODES
+    from pipeengine.training import sections
+    assert sections.PRECISIONS is options.PRECISIONS and sections.WIRE_MODES is options.WIRE_MODES
     from pipeengine.training import checks
     assert checks.check_timeout is options.check_timeout and checks.parse_recompute is options.parse_recompute
     code = "import sys, pipeengine.training.config, pipeengine.runtime.options; print('torch' in sys.modules)"

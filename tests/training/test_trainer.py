@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipeengine.training.cli import parse_args
+from pipeengine.training.report import summary_text
 from pipeengine.training.trainer import run
 from tests.harness import ROOT, on_a_terminal
 
@@ -247,3 +248,28 @@ def test_dropout_masks_belong_to_the_model_not_to_the_layout(tmp_path: Path, wor
     plain = world1.run(_train, [*common, "--pp", "1", "--dropout", "0"])[0]["losses"]
     assert two_positions == one and plain != one
     torch.testing.assert_close(torch.tensor(two_replicas), torch.tensor(one), rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(200)
+def test_a_torch_dataset_or_a_stream_plugs_in(tmp_path: Path, world1: Any, world2: Any,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A map-style Dataset (with val_data) trains as the engine's own protocol on the same examples, bitwise; an
+    IterableDataset streams at pp 1 x dp 2 as one process reads it, resumes where it stopped (the examples
+    consumed are skipped) and validates nowhere without val_data; a dataset of dicts is one line."""
+    common = ["--steps", "4", "--quiet", "--log-dir", str(tmp_path), "--timeline-interval", "0", "--eval-interval",
+              "2", "--partition", "uniform", "-b", "4"]
+    plain = world2.run(_train, [*common, "--model", "mlp", "--pp", "2"])[0]
+    mapped = world2.run(_train, [*common, "--model", "tests.training.datasets:mapstyle", "--pp", "2"])[0]
+    assert mapped["losses"] == plain["losses"] and mapped["val_loss"] == plain["val_loss"]
+    saves = str(tmp_path / "saves")
+    stream = [*common, "--model", "tests.training.datasets:streamed", "--pp", "1", "--global-batch", "24"]
+    one = world1.run(_train, stream)[0]
+    two = world2.run(_train, [*stream, "--save-interval", "2", "--save-dir", saves])[0]
+    resumed = world2.run(_train, [*stream, "--resume", os.path.join(saves, "step-00000002"), "--run-name", "r"])[0]
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+    assert resumed["first_step"] == 2 and resumed["losses"] == two["losses"][2:]
+    assert one["val_loss"] is None and "validation n/a (no validation data)" in summary_text(one)
+    with pytest.raises(SystemExit) as exc:
+        run(parse_args([*common, "--model", "tests.training.datasets:dicts"]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Model.data[0] is a dict, not an (input, target) pair" in err, err
