@@ -24,16 +24,21 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     return str(value)
 
 
-def check_timeout(name: str, value: float | None) -> float | None:
-    """None (adaptive: see faults.adaptive_timeout) or a finite number of seconds > 0."""
+ADAPTIVE = f"{STARTUP_TIMEOUT:.0f} s until the first step, then max(60 s, 20 x the median step)"
+
+
+def check_timeout(name: str, value: float | None, default: str = ADAPTIVE, why: str = "one exchange between ranks"
+                  ) -> float | None:
+    """None (``default``, adaptive for the engine's waits: see faults.adaptive_timeout) or a finite number of
+    seconds > 0, at least 1 (``why``: what a shorter time could not hold)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
         shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
         raise ValueError(f"{name} must be a positive number of seconds (got {shown}); leave it out for the default "
-                         f"({STARTUP_TIMEOUT:.0f} s until the first step, then max(60 s, 20 x the median step))")
+                         f"({default})")
     if value < 1:
-        raise ValueError(f"{name} {value:g} s is shorter than one exchange between ranks can take; give at least 1 s")
+        raise ValueError(f"{name} {value:g} s is shorter than {why} can take; give at least 1 s")
     return float(value)
 
 

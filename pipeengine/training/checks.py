@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ..runtime.options import check_grad_clip, check_timeout, parse_recompute
 
 __all__ = ["BUILTIN_MODELS", "model_spec", "Check", "at_least", "finite", "probability", "seed", "grad_clip",
-           "recompute", "timeout", "partition", "partition_arg"]
+           "recompute", "timeout", "seconds", "partition", "partition_arg"]
 
 BUILTIN_MODELS = ("gpt", "resnet", "mlp")
 Check = Callable[[str, Any], Any]   # (the setting's name as the user knows it, value) -> value, or ValueError
@@ -74,6 +74,13 @@ def recompute(name: str, value: Any) -> Any:
 
 def timeout(name: str, value: Any) -> Any:
     return check_timeout(name, value)
+
+
+def seconds(default: str, why: str) -> Check:
+    """A number of seconds >= 1 whose message quotes its own ``default`` and ``why`` (what less could not hold)."""
+    def check(name: str, value: Any) -> Any:
+        return check_timeout(name, value, default, why)
+    return check
 
 
 def partition(name: str, value: Any) -> Any:

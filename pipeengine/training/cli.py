@@ -48,12 +48,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         message = re.sub(r"^argument [^:]+: (?=--)", "", message)   # the check's message names the flag already
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:   # a misspelt flag: the nearest ones (prefixes are not accepted: allow_abbrev=False)
+            flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            hints = [f"{w} (did you mean {close[0]}?)" if close else w for w in unknown[1].split()
+                     for close in [difflib.get_close_matches(w.split("=")[0], flags, n=1)]]
+            message = f"unrecognized arguments: {' '.join(hints)}"
         self.exit(2, f"error: {message} (see --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="python -m pipeengine.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m pipeengine.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False,
         description="Train a model with pipeline x data parallelism. Launch with launch/pipe.sh N gpus|cpus "
                     "(torchrun) or run it as one process. Logs go to TensorBoard under --log-dir. Settings come "
                     "from the defaults, then --config FILE, then the flags.")
@@ -146,7 +152,7 @@ def _hint(name: str, known: Sequence[str]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     """Defaults, then ``--config FILE``, then the flags; ``--print-config`` prints the result and exits."""
     p = _parser()
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     if known.config:

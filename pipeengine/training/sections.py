@@ -166,7 +166,9 @@ class SavingConfig:
                                    "checkpoint", flag="--save-on-exit")
     exit_budget: float = setting(25.0, "seconds a save on SIGTERM may take (torchrun kills the workers 30 s after "
                                        "its SIGTERM): when the last save took longer, the exit save is skipped and "
-                                       "the run says so", flag="--exit-save-budget", check=checks.timeout, metavar="S")
+                                       "the run says so", flag="--exit-save-budget", metavar="S",
+                                 check=checks.seconds("25 s: torchrun kills its workers 30 s after its SIGTERM",
+                                                      "writing a checkpoint"))
     background: bool = setting(False, "write checkpoints in the background (torch.distributed.checkpoint."
                                       "async_save): a save costs the step a copy of the state to host memory (and the "
                                       "previous save's end, if it is still writing); it becomes visible at the next "
@@ -182,9 +184,11 @@ class FaultsConfig:
                                     check=checks.timeout)
     on_nonfinite: str = setting("stop", "a NaN/inf loss or gradient: stop and name the stage, or skip the update",
                                 choices=ON_NONFINITE)
-    collective_timeout: float = setting(1800.0, "seconds one collective may take before the process group gives up "
-                                                "(long: a checkpoint write is a legitimate slow collective); hangs "
-                                                "are found and explained by --timeout", check=checks.timeout)
+    collective_timeout: float = setting(
+        1800.0, "seconds one collective may take before the process group gives up (long: a checkpoint write is a "
+                "legitimate slow collective); hangs are found and explained by --timeout",
+        check=checks.seconds("1800 s: long, for legitimately slow collectives such as a checkpoint write",
+                             "one collective"))
 
 
 @dataclass

@@ -184,3 +184,36 @@ def test_setup_cfg_admits_exactly_the_tested_torch() -> None:
     series = ".".join(map(str, TESTED_TORCH))
     assert f"torch>={series}.1,<2.{TESTED_TORCH[1] + 1}" in text
     assert f"torchvision>={torchvision_for(series)}.1,<0.{TESTED_TORCH[1] + 16}" in text
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--lrr", "3"], "error: unrecognized arguments: --lrr (did you mean --lr?) 3 (see --help)"),
+    (["--sched", "1f1b"], "error: unrecognized arguments: --sched (did you mean --schedule?) 1f1b"),   # no prefixes
+    (["--collective-timeout", "-1"], "error: --collective-timeout must be a positive number of seconds (got -1); "
+                                     "leave it out for the default (1800 s: long, for legitimately slow collectives "
+                                     "such as a checkpoint write)"),
+    (["--exit-save-budget", "0.5"], "error: --exit-save-budget 0.5 s is shorter than writing a checkpoint can take"),
+    (["--timeout", "0"], "error: --timeout must be a positive number of seconds (got 0); leave it out for the default "
+                         "(600 s until the first step, then max(60 s, 20 x the median step))"),
+])
+def test_a_mistyped_flag_is_named_with_its_nearest_and_each_flag_quotes_its_own_default(
+        flags: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(said) and len(err.splitlines()) == 1, err
+
+
+def test_print_config_writes_every_setting_under_its_flags_name_and_reads_back(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]
+                                                                               ) -> None:
+    from pipeengine.training.config import to_toml
+    text = to_toml(parse_args(["--save-interval", "7", "--model", "mlp"]))
+    keys = {line.split("=")[0].strip("# ").strip() for line in text.splitlines() if "=" in line}
+    assert keys == {s.flag[2:] for s in settings()}
+    assert "save-interval = 7" in text and 'model = "mlp"' in text
+    (tmp_path / "run.toml").write_text(text)
+    cfg = parse_args(["--config", str(tmp_path / "run.toml")])
+    assert cfg.saving.interval == 7 and cfg.model.name == "mlp"
+    (tmp_path / "old.toml").write_text("[saving]\ninterval = 5\n")   # a field's name works too
+    assert parse_args(["--config", str(tmp_path / "old.toml")]).saving.interval == 5
