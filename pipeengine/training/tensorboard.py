@@ -38,7 +38,9 @@ _LAYOUT: dict[str, dict[str, list[Any]]] = {
 class MetricsWriter:
     """TensorBoard views of training; with ``log_dir=None`` or ``enabled=False`` every method is a no-op.
 
-    Events go to ``log_dir/run_name`` (or ``log_dir`` without a run name).
+    Events go to ``log_dir/run_name`` (or ``log_dir`` without a run name). Methods take a step's index (0 for
+    the first step); TensorBoard's step axis is the steps done, as the console's ``step N/total``: step
+    index t is written at t + 1.
     """
 
     def __init__(self, log_dir: str | None, *, enabled: bool = True, run_name: str | None = None) -> None:
@@ -60,7 +62,7 @@ class MetricsWriter:
     def _add(self, step: int, scalars: Mapping[str, float]) -> None:
         assert self._writer is not None
         for tag, value in scalars.items():
-            self._writer.add_scalar(tag, float(value), step)
+            self._writer.add_scalar(tag, float(value), step + 1)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """Scalars under the tags as given (e.g. ``train/loss``)."""
@@ -113,9 +115,9 @@ class MetricsWriter:
         """The step's timeline image under ``pipeline/timeline``, and as ``timeline.png`` in the run folder
         (the newest logged step's)."""
         if self._writer is not None and self.log_dir is not None:
-            title = f"step {step}: measured pipeline timeline"
+            title = f"step {step + 1}: measured pipeline timeline"
             img = timeline_image(records_by_rank, title=title)
-            self._writer.add_image("pipeline/timeline", img, step, dataformats="HWC")
+            self._writer.add_image("pipeline/timeline", img, step + 1, dataformats="HWC")
             self._writer.flush()
             save_timeline_png(records_by_rank, os.path.join(self.log_dir, "timeline.png"), title)
 

@@ -311,11 +311,9 @@ class Trainer:
                 self.saves.publish(self.is_tty, wait=False)
             t_start, t_end = t_end, time.perf_counter()
             self.reporter.step_done(step, t_end - t_start, self.last_data_s, self.last_step_s)
-            if self.rank == 0 and not cfg.logging.quiet and (
-                    self.is_tty or (step + 1) % cfg.logging.log_interval == 0 or step + 1 == steps):
-                line = progress_line(step + 1, steps, state.losses[-1], state.val_loss, self.reporter.rates(),
-                                     memory_text(self.reporter.peak_memory()))
-                print(("\r" + line + "\033[K") if self.is_tty else line, end="" if self.is_tty else "\n", flush=True)
+            last = step + 1 == steps and stopped is None   # its line comes after the final evaluation, with its loss
+            if (self.is_tty or (step + 1) % cfg.logging.log_interval == 0) and not last:
+                self._progress(step + 1)
             if step % cfg.logging.log_interval == 0:
                 self._write_summary()
             if stopped is not None:
@@ -332,9 +330,17 @@ class Trainer:
         else:
             state.val_loss = self.evaluate(steps)
             self.writer.log_eval(steps - 1, state.val_loss)   # at the last training step
+            self._progress(steps)
             state.status = "done"
         self.saves.publish()
         return code
+
+    def _progress(self, done: int) -> None:
+        """The progress line after ``done`` steps (rank 0; updated in place on a terminal)."""
+        if self.rank == 0 and not self.cfg.logging.quiet:
+            line = progress_line(done, self.cfg.optimizer.steps, self.state.losses[-1], self.state.val_loss,
+                                 self.reporter.rates(), memory_text(self.reporter.peak_memory()))
+            print(("\r" + line + "\033[K") if self.is_tty else line, end="" if self.is_tty else "\n", flush=True)
 
     def _stopped_nonfinite(self, exc: NonFiniteError) -> int:
         self.state.status = f"stopped: {exc}"

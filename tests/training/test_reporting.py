@@ -136,10 +136,11 @@ def test_writer_round_trip(tmp_path: Path) -> None:
         w.log_timeline(2, R)
     acc = _read_events(tmp_path / "run")
     tags = acc.Tags()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 2.0), (1, 1.0), (2, 0.0), (3, -1.0)]
+    # TensorBoard's step is the steps done (the console's "step N"): index t at t + 1
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 1.0), (3, 0.0), (4, -1.0)]
     assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([0.1, 0.2, 0.3])
-    assert [e.step for e in acc.Scalars("train/grad_norm")] == [1, 2]        # None is not written
-    assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(2, 1.25)]
+    assert [e.step for e in acc.Scalars("train/grad_norm")] == [2, 3]        # None is not written
+    assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(3, 1.25)]
     assert acc.Scalars("custom/x")[0].value == 7.0
     expect = {"time/step_s": STEP, "throughput/samples_per_s": 100.0, "throughput/tokens_per_s": 6400.0,
               "pipeline/bubble_measured": 0.59375, "pipeline/bubble_theoretical": 0.5,
@@ -149,11 +150,11 @@ def test_writer_round_trip(tmp_path: Path) -> None:
         assert acc.Scalars(tag)[-1].value == pytest.approx(value), tag
     assert tags["images"] == ["pipeline/timeline"]
     image = acc.Images("pipeline/timeline")[0]
-    assert (image.step, image.width) == (2, 1200)
+    assert (image.step, image.width) == (3, 1200)
     from PIL import Image   # the same picture as a PNG in the run folder
     with Image.open(tmp_path / "run" / "timeline.png") as png:
         assert png.format == "PNG" and (png.width, png.height) == (1200, image.height)
-        assert png.tobytes() == timeline_image(R, title="step 2: measured pipeline timeline").numpy().tobytes()
+        assert png.tobytes() == timeline_image(R, title="step 3: measured pipeline timeline").numpy().tobytes()
     # the layout is a custom_scalars-plugin tensor holding a serialised Layout proto
     from tensorboard.plugins.custom_scalar import layout_pb2
     tag = "custom_scalars__config__"

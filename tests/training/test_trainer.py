@@ -42,7 +42,7 @@ def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Images("pipeline/timeline")] == [1, 5]   # first step after warm-up, and the last
+    assert [e.step for e in acc.Images("pipeline/timeline")] == [2, 6]   # first step after warm-up, and the last
     assert acc.Scalars("time/position0/bubble")[-1].value == 0.0
     saved = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert saved["steps_done"] == 6 and saved["config"]["model"]["name"] == "mlp"
@@ -273,3 +273,18 @@ def test_a_torch_dataset_or_a_stream_plugs_in(tmp_path: Path, world1: Any, world
         run(parse_args([*common, "--model", "tests.training.datasets:dicts"]))
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Model.data[0] is a dict, not an (input, target) pair" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_the_last_progress_line_shows_the_final_validation_and_tensorboard_counts_steps_as_the_console(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = run(parse_args(["--model", "mlp", "--steps", "3", "--log-interval", "1", "--log-dir", str(tmp_path),
+                        "--run-name", "r", "--eval-interval", "2"]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "] step " in line]
+    assert [line.split("] step ")[1].split()[0] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert f"val {s['val_loss']:.4f}" in lines[-1] and "val" not in lines[0], lines
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("val/loss")] == [2, 3]   # after steps 2 and 3, as the console says
