@@ -47,6 +47,7 @@ class AutoChoice:
     candidates: dict[str, float | None] = field(default_factory=dict)
     fill: float = 0.0     # fill_bound: >= bound, still below every schedule of this split and placement
     library: str = ""     # the library schedule of this placement and split (what other microbatch counts run)
+    winner: str = ""      # the candidate chosen: a library schedule's name or "synthesised (placement, chunks)"
 
     @property
     def gap(self) -> float:
@@ -60,13 +61,25 @@ class AutoChoice:
         lib = [(t, name) for name, t in self.candidates.items() if t is not None and not name.startswith("synth")]
         return (min(lib)[1], min(lib)[0]) if lib else None
 
-    def describe(self) -> str:
-        lines = [f"schedule auto: {self.schedule.name} (chunks {self.schedule.chunks}, placement "
-                 f"{self.schedule.placement_kind}), bounds {self.bounds}",
-                 f"  simulated step {1e3 * self.makespan:.2f} ms, lower bound {1e3 * self.bound:.2f} ms "
-                 f"(gap {self.gap:.3f}x); with the fill {1e3 * self.fill:.2f} ms (gap {self.fill_gap:.3f}x)"]
-        for name, t in self.candidates.items():
-            lines.append(f"  {name:<28} " + ("does not fit / apply" if t is None else f"{1e3 * t:.2f} ms"))
+    def chosen(self) -> str:
+        """What auto built, in words: the library schedule, or a synthesised order and what it beats."""
+        where = f"placement {self.schedule.placement_kind}, {self.schedule.chunks} stage(s) per position"
+        if not self.winner.startswith("synth"):
+            return f"{self.winner} (from the library; {where})"
+        best = self.best_library()
+        beats = f"; {best[1] / self.makespan - 1:.1%} shorter than the best library schedule, {best[0]}" if best else ""
+        return f"a synthesised order ({where}{beats})"
+
+    def describe(self, unit: str = "ms") -> str:
+        """What auto chose and every candidate's simulated step (``unit``: "ms" for costs in seconds, else the
+        costs' own units)."""
+        def t(x: float) -> str:
+            return f"{1e3 * x:.2f} ms" if unit == "ms" else f"{x:g} {unit}"
+        lines = [f"schedule auto: {self.chosen()}, bounds {self.bounds}",
+                 f"  simulated step {t(self.makespan)}, lower bound {t(self.bound)} (gap {self.gap:.3f}x); with the "
+                 f"fill {t(self.fill)} (gap {self.fill_gap:.3f}x)"]
+        for name, x in self.candidates.items():
+            lines.append(f"  {name:<28} " + ("does not fit / apply" if x is None else t(x)))
         return "\n".join(lines)
 
 
@@ -158,7 +171,8 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
         made = []
         for caps in _cap_options(choice, base, costs, memory_cap, state_factor, default):
             try:
-                order = synthesise("auto", pp, microbatches, chunks, placement, stage, caps)
+                order = synthesise(f"synthesised-{placement}{chunks}", pp, microbatches, chunks, placement, stage,
+                                   caps)
             except ValueError:   # the cap leaves too little room for this placement
                 continue
             sched = shortest_lowering([order], stage)
@@ -171,9 +185,10 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
         raise PartitionError(f"no schedule fits: every library schedule and every synthesised one needs more "
                              f"memory than the cap of {(memory_cap or 0) / 2**30:.2f} GiB per position; raise "
                              f"--memory-cap, use more pipeline positions or recompute (--recompute full)")
-    makespan, name, sched, choice = min(results, key=lambda r: (r[0], r[1]))
+    # the shortest; on a tie a library schedule (known, proven in the tests) before a synthesised order
+    makespan, name, sched, choice = min(results, key=lambda r: (r[0], r[1].startswith("synth"), r[1]))
     bound = lower_bound(choice.stage_costs, sched, microbatches, comm)
     library = name if name in chosen else next(n for n, (c, _) in chosen.items() if c is choice)
     return AutoChoice(sched, list(choice.bounds), list(choice.stage_costs), makespan, bound,
                       _memory(choice.bounds, sched, costs, state_factor), candidates,
-                      fill_bound(choice.stage_costs, sched, microbatches, comm), library)
+                      fill_bound(choice.stage_costs, sched, microbatches, comm), library, name)

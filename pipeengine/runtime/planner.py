@@ -10,12 +10,13 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterator, NoReturn, Sequence
-
-from torch import nn
+from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 
 from ..schedule import Costs, Schedule, simulate
 from ..schedule.simulate import Dataflow
+
+if TYPE_CHECKING:   # the planner itself is torch-free: the schedule tool plans from given costs with it
+    from torch import nn
 
 __all__ = ["PartitionError", "METHODS", "balance_min_max", "even_bounds", "partition", "describe", "LayerCost",
            "Choice", "choose_bounds", "EXACT_LIMIT", "position_sizes"]
@@ -173,7 +174,8 @@ class Choice:
             back = f"B {1e3 * b:.2f} ms  W {1e3 * w:.2f} ms" if self.split else f"backward {1e3 * (b + w):.2f} ms"
             lines.append(f"  stage {s}: layers {self.bounds[s]}..{self.bounds[s + 1] - 1}  per microbatch "
                          f"F {1e3 * f:.2f} ms  {back}")
-        lines.append("  peak memory estimate per position: " + ", ".join(f"{m / 2**30:.2f} GiB" for m in self.memory))
+        lines.append("  model memory estimate per position (4 x parameters + activations in flight; not the "
+                     "process's baseline): " + ", ".join(f"{m / 2**30:.2f} GiB" for m in self.memory))
         return "\n".join(lines)
 
 

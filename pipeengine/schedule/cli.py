@@ -66,24 +66,36 @@ def _cost(text: str) -> float:
     return value
 
 
+def _costs(text: str) -> list[float]:
+    """One cost, or one per layer (comma-separated: for --schedule auto)."""
+    return [_cost(part) for part in text.split(",")]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pipeengine.schedule",
         description="Build, validate and simulate a pipeline schedule; print its timeline (one row per "
                     "position) and its makespan, bubble and peak activations. Costs are in arbitrary units "
                     "for one microbatch through one position's whole share of the model.")
-    parser.add_argument("--schedule", "-s", default="1f1b", choices=list(SCHEDULES),
+    parser.add_argument("--schedule", "-s", default="1f1b", choices=[*SCHEDULES, "auto"],
                         help="schedule to build (default 1f1b): "
-                        + "; ".join(f"{k}: {v}" for k, v in SCHEDULES.items()))
+                        + "; ".join(f"{k}: {v}" for k, v in SCHEDULES.items())
+                        + "; auto: the schedule and the split chosen together from per-layer costs (--tf/--tb/--tw "
+                          "as comma lists, --costs FILE, or --profile), as the trainer's --schedule auto does")
     parser.add_argument("--pp", type=_count, default=4, help="pipeline positions (default 4)")
     parser.add_argument("--microbatches", "-m", type=_count, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--chunks", "-v", type=_count, default=None,
                         help="stages per position (default: the schedule's own, 2 for the interleaved and V ones, "
                              "else 1)")
-    parser.add_argument("--tf", type=_cost, default=1.0, help="forward cost (default 1)")
-    parser.add_argument("--tb", type=_cost, default=1.0,
+    parser.add_argument("--tf", type=_costs, default=[1.0], help="forward cost (default 1); with --schedule auto, "
+                        "one per layer: 1,1,2,1 (or one for each of --layers)")
+    parser.add_argument("--tb", type=_costs, default=[1.0],
                         help="backward input-gradient cost (default 1); schedules without W run b+w in B")
-    parser.add_argument("--tw", type=_cost, default=1.0, help="backward weight-gradient cost (default 1)")
+    parser.add_argument("--tw", type=_costs, default=[1.0], help="backward weight-gradient cost (default 1)")
+    parser.add_argument("--layers", type=_count, default=None,
+                        help="--schedule auto: layers, when --tf/--tb/--tw give one cost each (default 4 x pp)")
+    parser.add_argument("--costs", metavar="FILE",
+                        help="--schedule auto: per-layer costs, one line per layer: 'f b w' (# comments allowed)")
     parser.add_argument("--comm", type=_cost, default=0.0, help="cost of one matched transfer (default 0)")
     parser.add_argument("--file", metavar="PATH",
                         help="check a schedule written one line per position (F3 B3 W3, F3.1 for chunk 1, "
@@ -123,7 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..training.profile_report import profile_report   # the one mode that needs torch
         return profile_report(args.profile, args.preset, args.pp, args.microbatches, args.micro_batch_size,
                               args.memory_cap)
-    costs = Costs(args.tf, args.tb, args.tw, args.comm)
+    if args.schedule == "auto":
+        return _auto(args)
+    if max(len(args.tf), len(args.tb), len(args.tw)) > 1:
+        print("error: costs per layer (--tf 1,2,...) are for --schedule auto; a library schedule takes one cost "
+              "each", file=sys.stderr)
+        return 2
+    costs = Costs(args.tf[0], args.tb[0], args.tw[0], args.comm)
     try:
         sched = _load(args, costs)
     except OSError as exc:
@@ -142,4 +160,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show_program:
         print(format_schedule(sched))
     print(summary(sched, result, costs))
+    return 0
+
+
+def _layer_costs(args: argparse.Namespace) -> list[tuple[float, float, float]]:
+    """Per-layer (f, b, w) for --schedule auto, from --costs FILE or the --tf/--tb/--tw lists (ValueError: why not)."""
+    if args.costs:
+        with open(args.costs, encoding="utf-8") as fh:
+            rows = [line.split("#")[0].split() for line in fh]
+        rows = [r for r in rows if r]
+        if not rows or any(len(r) != 3 for r in rows):
+            raise ValueError(f"--costs {args.costs!r}: one line 'f b w' per layer (three numbers) is needed")
+        return [(_cost(f), _cost(b), _cost(w)) for f, b, w in rows]
+    n = max(len(args.tf), len(args.tb), len(args.tw))
+    n = args.layers or (n if n > 1 else 4 * args.pp)
+    lists = [c * n if len(c) == 1 else c for c in (args.tf, args.tb, args.tw)]
+    if any(len(c) != n for c in lists):
+        raise ValueError(f"--tf, --tb and --tw give {[len(c) for c in (args.tf, args.tb, args.tw)]} costs: give one "
+                         f"each, or one per layer ({n}) each")
+    return list(zip(*lists))
+
+
+def _auto(args: argparse.Namespace) -> int:
+    """--schedule auto from given per-layer costs: what the trainer's auto would choose, and its timeline."""
+    from ..runtime.auto import auto_schedule   # an entry point may plan with the runtime's planner (torch-free)
+    from ..runtime.planner import LayerCost, PartitionError
+    try:
+        layers = _layer_costs(args)
+        choice = auto_schedule([LayerCost(f, b, w, b + w, 0, 0) for f, b, w in layers], args.pp, args.microbatches,
+                               comm=args.comm)
+    except OSError as exc:
+        print(f"error: cannot read --costs: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, PartitionError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = simulate(choice.schedule, [Costs(f, b, w, args.comm) for f, b, w in choice.stage_costs])
+    print(render_timeline(result, args.width))
+    print()
+    print(choice.describe(unit="units"))
     return 0

@@ -104,7 +104,7 @@ def summary_text(s: dict[str, Any]) -> str:
         f"wall time  {s['elapsed_s']:.1f} s since the process started: start-up {s['startup_s'] or 0:.1f} s, "
         f"{len(s['losses'])} steps {s['steps_s']:.1f} s, final evaluation and summary "
         f"{max(0.0, s['elapsed_s'] - (s['startup_s'] or 0) - s['steps_s']):.1f} s",
-        f"memory     peak per position  {memory}",
+        f"memory     peak per position (the whole process: torch, data, buffers)  {memory}",
         f"bubble     {bub}",
         f"step time  {parts}",
         *([f"world      {world_change_text(s['world_change'])}"] if s.get("world_change") else []),

@@ -62,7 +62,10 @@ def test_a_synthesised_order_can_win_and_without_a_cap_holds_no_more_than_zb_h2(
     costs it beats every library schedule, holding at most zb-h2's 2pp - 1 microbatches per position."""
     choice = auto_schedule(profile_costs("random +-50% #0, 82"), 4, 32)
     library = min(t for name, t in choice.candidates.items() if t is not None and not name.startswith("synth"))
-    assert choice.schedule.name == "auto" and choice.makespan < library
+    assert choice.schedule.name.startswith("synthesised-") and choice.makespan < library
+    said = choice.describe().splitlines()[0]   # what it built, in words, and by how much it beats the library
+    assert said.startswith("schedule auto: a synthesised order (placement ") and "shorter than the best library " \
+        "schedule" in said, said
     validate(choice.schedule)
     peaks = simulate(choice.schedule, [Costs(*c) for c in choice.stage_costs]).peak_in_flight
     assert max(peaks) <= choice.schedule.chunks * (2 * 4 - 1)

@@ -89,3 +89,30 @@ def test_bad_numbers_are_named_not_a_traceback(flags: list[str], message: str,
     with pytest.raises(SystemExit) as exc:
         main(flags)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_plans_auto_from_given_per_layer_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--schedule auto with costs per layer (lists or a file): what the trainer's auto would build, named; the
+    same costs from a file give the same plan; bad input is one line and status 2; no torch is imported."""
+    args = ["--schedule", "auto", "--pp", "2", "-m", "4", "--tf", "1,1,3,1,1,1", "--tb", "2,2,6,2,2,2", "--tw", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    said = next(line for line in out.splitlines() if line.startswith("schedule auto: "))
+    assert said.startswith("schedule auto: zbv (from the library; placement v") and "bounds [0, 2, 3, 4, 6]" in said
+    assert "simulated step 64 units" in out and out.startswith("position 0 |")
+    costs = tmp_path / "costs.txt"
+    costs.write_text("# f b w per layer\n" + "".join(f"{f} {2 * f} 1\n" for f in (1, 1, 3, 1, 1, 1)))
+    assert main(["--schedule", "auto", "--pp", "2", "-m", "4", "--costs", str(costs)]) == 0
+    assert said in capsys.readouterr().out
+    for bad, message in ((["--tf", "1,2", "--tb", "1,2,3"], "give one each, or one per layer"),
+                         (["--schedule", "1f1b", "--tf", "1,2"],
+                          "costs per layer (--tf 1,2,...) are for --schedule auto")):
+        assert main([*(["--schedule", "auto"] if "--schedule" not in bad else []), *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.splitlines()) == 1, err
+    import subprocess
+    import sys
+    code = ("import sys; from pipeengine.schedule.cli import main; main(['--schedule', 'auto', '--pp', '2']); "
+            "print('torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip().endswith("False"), run.stdout[-300:] + run.stderr[-300:]

@@ -233,7 +233,8 @@ def test_schedule_auto_trains_the_same_losses_as_1f1b_with_the_schedule_it_chose
     plain = world2.run(_train, [*common, "--schedule", "1f1b", "--partition", "uniform"])[0]
     assert auto["losses"] == plain["losses"]
     assert auto["schedule_run"] in ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "interleaved-zb", "zbv", "v-half",
-                                    "v-min", "dualpipev", "auto") and auto["config"]["schedule"]["name"] == "auto"
+                                    "v-min", "dualpipev") or auto["schedule_run"].startswith("synthesised-")
+    assert auto["config"]["schedule"]["name"] == "auto"
 
 
 @pytest.mark.timeout(150)
