@@ -38,6 +38,7 @@ class Consensus:
     def __init__(self, topology: Topology, rank: int, groups: ProcessGroups, num_stages: int, last_position: int,
                  device: torch.device, wait: Wait, watcher: Watch) -> None:
         self.topology, self.groups, self.num_stages, self.device, self.wait = topology, groups, num_stages, device, wait
+        self.rank = rank
         self.watch = watcher   # reads what the device computed (polled on CUDA, see faults.Watch.host_values)
         position, replica = topology.position_of(rank), topology.replica_of(rank)
         self.last_rank = topology.rank(last_position, replica)   # where the loss is computed
@@ -67,15 +68,20 @@ class Consensus:
                       "the end-of-step all-reduce", self.pp_peers)
         return vec.decode(lambda t: self.watch.host_values(t, "the end-of-step all-reduce", self.pp_peers))
 
-    def over_replicas(self, replica_loss: float, stops: Sequence[float] = ()) -> tuple[float, list[float]]:
-        """The step's loss, summed over the replicas, and the stop requests summed over them (one all-reduce)."""
+    def over_replicas(self, replica_loss: float, stops: Sequence[float] = (),
+                      origin: float = 0.0) -> tuple[float, list[float], list[float]]:
+        """The step's loss and the stop requests, summed over the replicas, and every replica's ``origin`` (where it
+        went non-finite on its own: numerics.StepSignals.origin) by replica: one all-reduce."""
         if self.topology.dp == 1:
-            return replica_loss, list(stops)
-        value = torch.tensor([replica_loss, *stops], dtype=torch.float64, device=self.device)
+            return replica_loss, list(stops), [origin]
+        replica = self.topology.replica_of(self.rank)
+        origins = [0.0] * self.topology.dp
+        origins[replica] = origin
+        value = torch.tensor([replica_loss, *stops, *origins], dtype=torch.float64, device=self.device)
         self.wait(dist.all_reduce(value, group=self.groups.dp_group, async_op=True), "the loss all-reduce",
                   self.dp_peers)
         total, *summed = self.watch.host_values(value, "the loss all-reduce", self.dp_peers)
-        return total, summed
+        return total, summed[:len(stops)], summed[len(stops):]
 
     def eval_loss(self, last: Stage) -> float:
         """Mean loss of an eval step on every rank: summed on the last stage, shared, summed over DP."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -27,14 +27,24 @@ class StepSignals:
     grad_sq: float                  # squared gradient norm, each logical parameter counted once
     loss: float                     # this replica's step loss (the last stage's microbatch losses, summed)
     nonfinite_outputs: list[float]  # per stage: outputs (or the loss) that went non-finite
-    nonfinite_grads: list[float]    # per stage: gradients that went non-finite
+    nonfinite_grads: list[float]    # per stage: input gradients (what B passes back) that went non-finite
     stops: list[float]              # per STOP_SIGNALS: how many ranks asked to stop after this step
+    nonfinite_weights: list[float] = field(default_factory=list)   # per stage: weight gradients, after the DP sync
+
+    def origin(self) -> int:
+        """Where this replica's own computation first went non-finite, as one number the replicas can sum:
+        1 + the first stage with a non-finite output, else -(1 + the last stage with a non-finite input
+        gradient), else 0 (the weight gradients after the sync may carry another replica's)."""
+        out = [s for s, v in enumerate(self.nonfinite_outputs) if v > 0]
+        grad = [s for s, v in enumerate(self.nonfinite_grads) if v > 0]
+        return 1 + out[0] if out else -(1 + grad[-1]) if grad else 0
 
 
 class SignalVector:
     """The float64 vector a step all-reduces over its pipeline: the layout of :class:`StepSignals` in one place.
 
-    ``[loss, stop requests per STOP_SIGNALS, (outputs, grads) per stage, squared norm per parameter]``;
+    ``[loss, stop requests per STOP_SIGNALS, (outputs, input grads, weight grads) per stage, squared norm per
+    parameter]``;
     each rank adds its share in place on the device (no host sync until the all-reduce has been waited
     for). A stop request (Ctrl-C, SIGTERM, SIGHUP on any rank) rides here, so every rank of the
     pipeline learns it at the same step without asking the store.
@@ -50,7 +60,7 @@ class SignalVector:
     def __init__(self, num_stages: int, num_params: int, device: torch.device) -> None:
         self.num_stages, self.num_params = num_stages, num_params
         self._flags = 1 + len(STOP_SIGNALS)
-        self._norms = self._flags + 2 * num_stages
+        self._norms = self._flags + 3 * num_stages
         self.tensor = torch.zeros(self._norms + num_params, dtype=torch.float64, device=device)
 
     def set_grad_sq(self, first: int, squares: torch.Tensor) -> None:
@@ -66,9 +76,9 @@ class SignalVector:
 
     def add_stage(self, stage: int, outputs_and_grads: torch.Tensor, grads_nonfinite: torch.Tensor) -> None:
         """A stage's non-finite counts (outputs, input gradients), and whether its weight gradients are."""
-        start = self._flags + 2 * stage
+        start = self._flags + 3 * stage
         self.tensor[start:start + 2] += outputs_and_grads
-        self.tensor[start + 1] += grads_nonfinite
+        self.tensor[start + 2] += grads_nonfinite
 
     def decode(self, read: Callable[[torch.Tensor], list[float]] = torch.Tensor.tolist) -> StepSignals:
         """The signals, read from the all-reduced tensor with ``read`` (a watched host read on CUDA)."""
@@ -77,7 +87,7 @@ class SignalVector:
         grad_sq = 0.0
         for square in values[self._norms:]:   # in the model's order: see the note
             grad_sq += square
-        return StepSignals(grad_sq, values[0], flags[0::2], flags[1::2], values[1:self._flags])
+        return StepSignals(grad_sq, values[0], flags[0::3], flags[1::3], values[1:self._flags], flags[2::3])
 
 
 def stop_signal(stops: Sequence[float]) -> int | None:
@@ -85,19 +95,28 @@ def stop_signal(stops: Sequence[float]) -> int | None:
     return next((sig for sig, n in zip(STOP_SIGNALS, stops) if n > 0), None)
 
 
-def nonfinite_message(step: int, signals: StepSignals, grad_norm: float, replica: int,
-                      place: Callable[[int], str]) -> str:
-    """Where a step went non-finite; ``place(stage)`` names its layers and rank. The first stage with a
-    non-finite output is the source; else the last one whose gradients went non-finite."""
-    out = [s for s, v in enumerate(signals.nonfinite_outputs) if v > 0]
-    grad = [s for s, v in enumerate(signals.nonfinite_grads) if v > 0]
-    if out:
-        where = f"the first non-finite forward output came from stage {out[0]} ({place(out[0])})"
-    elif grad:
-        where = f"the forward was finite; the backward went non-finite first in stage {grad[-1]} ({place(grad[-1])})"
+def nonfinite_message(step: int, signals: StepSignals, loss: float, grad_norm: float, origins: Sequence[float],
+                      place: Callable[[int, int], str]) -> str:
+    """Where a step went non-finite, the same on every rank (``loss``: the step's, over the replicas): ``origins``
+    are the replicas'
+    :meth:`StepSignals.origin` (the first replica that went non-finite on its own is the source: its first stage
+    with a non-finite output, else its last with a non-finite input gradient); ``place(stage, replica)`` names
+    its layers and rank. With every replica's forward and backward finite, the weight gradients are named."""
+    source = next(((r, int(code)) for r, code in enumerate(origins) if code), None)
+    weights = [s for s, v in enumerate(signals.nonfinite_weights) if v > 0]
+    if source is not None and source[1] > 0:
+        r, s = source[0], source[1] - 1
+        where = f"the first non-finite forward output came from stage {s} of replica {r} ({place(s, r)})"
+    elif source is not None:
+        r, s = source[0], -source[1] - 1
+        where = (f"the forward was finite; the backward went non-finite first in stage {s} of replica {r} "
+                 f"({place(s, r)})")
+    elif weights:
+        where = (f"the forward and the input gradients were finite; the weight gradients of stage {weights[-1]} went "
+                 f"non-finite")
     else:
         where = "the stage outputs and gradients were finite: the loss function returned it"
-    return (f"step {step}: loss {signals.loss:g}, gradient norm {grad_norm:g}: {where} (replica {replica}'s view). "
+    return (f"step {step}: loss {loss:g}, gradient norm {grad_norm:g}: {where}. "
             f"Skip such steps with on_nonfinite='skip' (--on-nonfinite skip), or lower the learning rate")
 
 

@@ -110,14 +110,14 @@ class Update:
         e = self.engine
         signals = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request)
         result.grad_norm = math.sqrt(signals.grad_sq)
-        result.loss, stops = self.consensus.over_replicas(signals.loss, signals.stops)
+        result.loss, stops, origins = self.consensus.over_replicas(signals.loss, signals.stops, signals.origin())
         result.stop = stop_signal(stops)
         overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
         result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
         if result.nonfinite and e.on_nonfinite == "stop":
             raise NonFiniteError(nonfinite_message(
-                e.step_count, signals, result.grad_norm, e.replica,
-                lambda s: f"layers {e.plan.bounds[s]}..{e.plan.bounds[s + 1] - 1}, "
-                          f"rank {e.topology.rank(e.schedule.placement(s)[0], e.replica)}"))
+                e.step_count, signals, result.loss, result.grad_norm, origins,
+                lambda s, r: f"layers {e.plan.bounds[s]}..{e.plan.bounds[s + 1] - 1}, "
+                             f"rank {e.topology.rank(e.schedule.placement(s)[0], r)}"))
         result.skipped = overflow or result.nonfinite
         self.loss_scale.update(overflow)

@@ -47,6 +47,7 @@ class Config:
         microbatch size); return the PP x DP grid. A ValueError names the flags and how to fix them.
         ``replan(world, pp, chunks) -> (pp, why)``: an elastic group's pipeline depth when ``--pp`` does not
         divide the world (elastic.py; default: the deepest divisor up to ``--pp``)."""
+        self.given()
         for s in settings():
             s.set(self, s.checked(s.get(self)))
         sch, opt, log = self.schedule, self.optimizer, self.logging
@@ -140,6 +141,11 @@ class Config:
         """The settings every rank must have alike, by flag: all but how the run is shown (the logging section)
         and how fast its data is read (``--data-workers``)."""
         return {s.flag: s.get(self) for s in settings() if s.section != "logging" and s.flag != "--data-workers"}
+
+    def given(self) -> dict[str, Any]:
+        """:meth:`computation` as the user gave it, before :meth:`resolve` derived the rest (ranks started with
+        different settings are told the one they were given, not one derived from it)."""
+        return self.__dict__.setdefault("_given", self.computation())  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------ the settings as a flat list

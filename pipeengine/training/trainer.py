@@ -113,7 +113,8 @@ class Trainer:
         self.feed = Feed(self.model.data, self.model.val_data, cfg.model.seed, cfg.batch, self.topo.dp,
                          self.topo.replica_of(self.rank), cfg.optimizer.steps, self._workers(),
                          self.device.type == "cuda")
-        same_settings({**cfg.computation(), "data (--data)": self.feed.digest()})
+        same_settings({**cfg.given(), "data (--data)": self.feed.digest()})   # what each rank was given, first
+        same_settings(cfg.computation())
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
             check_shared(cfg.saving.dir, claim=bool(cfg.saving.interval or cfg.saving.on_exit))   # one folder
         point = pick_checkpoint(cfg, self.topo, len(self.model.layers))

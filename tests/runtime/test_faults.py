@@ -125,7 +125,7 @@ def test_ranks_with_different_models_are_told_which_layer_differs() -> None:
     assert r0[4].startswith("PeerFailed: error: rank 1 (position 1, replica 0, step 0) failed in F0: LayerError"), r0
 
 
-def nan_worker(rank: int, world: int, policy: str, zero: bool = False) -> dict[str, Any]:
+def nan_worker(rank: int, world: int, policy: str, zero: bool = False, only: int | None = None) -> dict[str, Any]:
     from pipeengine.runtime.engine import NonFiniteError, PipelineEngine
     from pipeengine.runtime.topology import Topology
     torch.manual_seed(0)
@@ -135,7 +135,8 @@ def nan_worker(rank: int, world: int, policy: str, zero: bool = False) -> dict[s
                             shard_optimizer=zero)
     g = torch.Generator().manual_seed(1)
     batches = [[(torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)) for _ in range(3)] for _ in range(3)]
-    batches[1][2][0][0, 0] = float("nan")   # step 1, microbatch 2: a NaN in the input
+    if only is None or engine.replica == only:   # (``only``: in that replica's data alone)
+        batches[1][2][0][0, 0] = float("nan")   # step 1, microbatch 2: a NaN in the input
     snapshots, out = [], []
     for step in range(3):
         snapshots.append([p.detach().clone() for p in engine.parameters])
@@ -163,9 +164,19 @@ def test_nan_in_one_microbatch_is_skipped_or_stops_naming_the_stage(world2: Worl
     for r in stop:
         assert r["out"][0] == (False, False, True) and len(r["out"]) == 2
         assert r["out"][1].startswith("step 1: loss nan, gradient norm nan: the first non-finite forward output came "
-                                      "from stage 0 (layers 0..1, rank 0)"), r["out"][1]
+                                      "from stage 0 of replica 0 (layers 0..1, rank 0)"), r["out"][1]
         assert r["unchanged"] == [False, True]
     assert stop[0]["out"] == stop[1]["out"]   # the same decision and words on every rank
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_in_one_replica_is_named_there_on_every_rank(world4: WorldPool) -> None:
+    """Replica 1's data alone holds the NaN: every rank (rank 0's message is the one on screen) names replica 1's
+    stage 0, not a stage of its own whose weight gradients the all-reduce made non-finite."""
+    said = {r["out"][1] for r in world4.run(nan_worker, "stop", False, 1, timeout=100)}
+    assert len(said) == 1 and said.pop().startswith(
+        "step 1: loss nan, gradient norm nan: the first non-finite forward output came from stage 0 of replica 1 "
+        "(layers 0..1, rank 1)")
 
 
 @pytest.mark.timeout(120)

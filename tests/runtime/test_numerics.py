@@ -35,7 +35,9 @@ def test_signal_vector_decodes_what_each_stage_added() -> None:
     vec.add_stage(1, torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     s = vec.decode()
     assert (s.grad_sq, s.loss) == (9.0, 2.5)
-    assert s.nonfinite_outputs == [0.0, 1.0, 0.0] and s.nonfinite_grads == [0.0, 1.0, 0.0]
-    text = nonfinite_message(7, s, math.inf, 1, lambda st: f"layers of stage {st}")
+    assert s.nonfinite_outputs == [0.0, 1.0, 0.0] and s.nonfinite_grads == [0.0, 0.0, 0.0]
+    assert s.nonfinite_weights == [0.0, 1.0, 0.0] and s.origin() == 2   # stage 1's output: 1 + 1
+    text = nonfinite_message(7, s, s.loss, math.inf, [0, s.origin()],
+                             lambda st, r: f"layers of stage {st}, replica {r}")
     assert text.startswith("step 7: loss 2.5, gradient norm inf: the first non-finite forward output came from "
-                           "stage 1 (layers of stage 1) (replica 1's view)")
+                           "stage 1 of replica 1 (layers of stage 1, replica 1)")

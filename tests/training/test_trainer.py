@@ -205,6 +205,7 @@ def test_ranks_started_with_different_settings_or_data_are_told_which(tmp_path: 
         (["--partition", "uniform"], "--partition: 'profile' on rank 0 but 'uniform' on rank 1"),
         (["--precision", "bf16"], "--precision: 'fp32' on rank 0 but 'bf16' on rank 1"),
         (["--save-interval", "1"], "--save-interval: 0 on rank 0 but 1 on rank 1"),
+        (["--pp", "1"], "--pp: 2 on rank 0 but 1 on rank 1"),   # the setting given, not one derived from it
     ]
     for rank1, message in rows:
         (code0, err0), (code1, err1) = world2.run(_differing, common, rank1)
