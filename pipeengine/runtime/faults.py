@@ -168,11 +168,12 @@ class Watch:
         counts as bad input."""
         if isinstance(exc, (NonFiniteError, PeerFailed, WaitTimeout)):
             return
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        ours = tb is not None and "pipeengine" in tb.tb_frame.f_code.co_filename
-        self.fail(exc, f"error: rank {self.rank} ({self.context}) failed in {doing_text(self.doing)}: "
+        frames = traceback.extract_tb(exc.__traceback__)
+        ours = bool(frames) and "pipeengine" in frames[-1].filename
+        at = next((f for f in reversed(frames) if f"pipeengine{os.sep}" in f.filename), None)
+        where = "" if at is None or ours else f" (in {at.filename.rpartition('pipeengine' + os.sep)[2]}:{at.lineno}" \
+            f", {at.name})"   # a failure deep in torch: the engine's own last line says what it was doing
+        self.fail(exc, f"error: rank {self.rank} ({self.context}) failed in {doing_text(self.doing)}{where}: "
                        f"{type(exc).__name__}: {exc}", ours and isinstance(exc, (ValueError, TypeError)))
 
     def fail(self, exc: BaseException, summary: str, input_error: bool = False) -> None:

@@ -16,10 +16,16 @@ from typing import Any, Callable, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "layer_seed", "build_layer", "build_layers", "sizing_layers", "fingerprint", "model_mismatch"]
+__all__ = ["LayerSpec", "LayerSpecError", "layer_seed", "build_layer", "build_layers", "sizing_layers", "fingerprint",
+           "model_mismatch"]
 
 LayerSpec = Union[nn.Module, Callable[[], nn.Module]]
 """One entry of a model's layer list: a built module, or a zero-argument factory building it."""
+
+
+class LayerSpecError(TypeError, ValueError):
+    """A layer list entry that is not a module or a factory of one: bad input (a ValueError, said in one line by
+    the trainer), and a TypeError for callers that catch those."""
 
 
 def layer_seed(seed: int, index: int) -> int:
@@ -31,12 +37,12 @@ def _is_factories(specs: Sequence[LayerSpec]) -> bool:
     kinds = {isinstance(s, nn.Module) for s in specs}
     if len(kinds) > 1:
         i = next(i for i, s in enumerate(specs) if isinstance(s, nn.Module) != isinstance(specs[0], nn.Module))
-        raise TypeError(f"the layer list mixes modules and factories (entry 0 is {type(specs[0]).__name__}, "
-                        f"entry {i} is {type(specs[i]).__name__}); give all modules or all factories")
+        raise LayerSpecError(f"the layer list mixes modules and factories (entry 0 is {type(specs[0]).__name__}, "
+                             f"entry {i} is {type(specs[i]).__name__}); give all modules or all factories")
     bad = [i for i, s in enumerate(specs) if not isinstance(s, nn.Module) and not callable(s)]
     if bad:
-        raise TypeError(f"layer {bad[0]} is a {type(specs[bad[0]]).__name__}: each entry must be an nn.Module "
-                        f"or a zero-argument callable returning one")
+        raise LayerSpecError(f"layer {bad[0]} is a {type(specs[bad[0]]).__name__}: each entry must be an nn.Module "
+                             f"or a zero-argument callable returning one")
     return kinds == {False}
 
 
@@ -48,7 +54,8 @@ def build_layer(spec: LayerSpec, index: int, seed: int) -> nn.Module:
         torch.manual_seed(layer_seed(seed, index))
         module = spec()
     if not isinstance(module, nn.Module):
-        raise TypeError(f"the factory of layer {index} returned {type(module).__name__}, not an nn.Module")
+        raise LayerSpecError(f"the factory of layer {index} returned {type(module).__name__}, not an nn.Module; "
+                             f"a factory takes no argument and returns the layer (e.g. lambda: nn.Linear(8, 8))")
     return module
 
 

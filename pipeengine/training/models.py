@@ -96,6 +96,21 @@ def _takes(fn: Callable[..., Any], name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _signature(fn: Callable[..., Any]) -> str:
+    try:
+        return f"{getattr(fn, '__name__', 'function')}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return repr(fn)
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost ``file:line`` of an exception's traceback."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+
+
 def load_model(spec: str, preset: str | None, data: str | None, dropout: float | None = None) -> Model:
     """The :class:`Model` that ``--model spec`` names, checked; a ValueError says what is wrong with it.
     ``dropout`` (``--dropout``, None: not given) goes to the function as ``dropout=``."""
@@ -110,7 +125,12 @@ def load_model(spec: str, preset: str | None, data: str | None, dropout: float |
         raise
     except TypeError as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise ValueError(f"--model {spec!r}: calling it as function(preset, data) raised TypeError: {first}") from None
+        try:
+            inspect.signature(fn).bind(preset, data, **options)
+        except (TypeError, ValueError):   # it cannot be called so: its signature is the problem
+            raise ValueError(f"--model {spec!r}: it must be callable as function(preset, data) (got the signature "
+                             f"{_signature(fn)}: {first})") from None
+        raise ValueError(f"--model {spec!r} raised TypeError inside ({_where(exc)}): {first}") from None
     if not isinstance(model, Model):
         raise ValueError(f"--model {spec!r} returned {type(model).__name__}, not a pipeengine.Model")
     if not model.layers or not all(callable(f) for f in model.layers):

@@ -182,7 +182,7 @@ def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tu
     if engine.rank == 0:
         print(f"resumed from {info['path']} at step {info['step']} in {time.perf_counter() - t0:.2f} s (written "
               f"with pp={info.get('pp')} dp={info.get('dp')}{' zero 1' if info.get('zero') else ''} "
-              f"{info.get('schedule')}; stage bounds "
+              f"{info.get('schedule')}; this run: pp={engine.topology.pp} dp={engine.topology.dp}, stage bounds "
               f"{engine.bounds})")
     if info["step"] >= cfg.optimizer.steps:
         raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.optimizer.steps}; "

@@ -83,7 +83,10 @@ def test_your_own_model_and_data_from_the_command_line(tmp_path: Path) -> None:
     (["--model", "no_such_module:model"], "--model 'no_such_module:model': no module named 'no_such_module' (is its "
                                           "folder on PYTHONPATH, or the package installed?)"),
     (["--model", "operator:is_"], "--model 'operator:is_' returned bool, not a pipeengine.Model"),
-    (["--model", "os.path:join"], "--model 'os.path:join': calling it as function(preset, data) raised TypeError: "),
+    (["--model", "os.path:join"], "--model 'os.path:join' raised TypeError inside ("),   # a bug inside, located
+    (["--model", "operator:not_"], "--model 'operator:not_': it must be callable as function(preset, data) (got the "
+                                   "signature not_(a, /)"),
+    (["--model", "tests.training.datasets:three"], "the factory of layer 1 returned int, not an nn.Module"),
     (["--model", "own-model"], "--model 'own-model' is not gpt, resnet, mlp or package.module:function"),
     (["--model", "own_model:model", "--data", "/nonexistent.csv"], "--data '/nonexistent.csv': expected rows "
                                                                    "x,y,label (0 or 1): [Errno 2]"),
