@@ -191,7 +191,8 @@ except (AttributeError, OSError):
     pass
 os.execvp(sys.argv[1], sys.argv[1:])'
 set +e
-exec 4> >(trap '' INT TERM HUP; exec awk -v reports="$RANK_LOGS" -f "$(dirname "$0")/quiet.awk" 1>&2)
+exec 4> >(trap '' INT TERM HUP; exec awk -v reports="$RANK_LOGS" -v nnodes="$NNODES" -v timeout="${RDZV_TIMEOUT:-120}" \
+          -v endpoint="$MASTER_ADDR:$MASTER_PORT" -f "$(dirname "$0")/quiet.awk" 1>&2)
 FILTER_PID=$!
 "$PYTHON" -c "$DIE_WITH_ME" "${CMD[@]}" 2>&4 3>&- &
 TORCHRUN=$!
@@ -202,6 +203,11 @@ while true; do   # a trapped signal ends `wait` early: wait again until torchrun
 done
 exec 4>&-
 wait "$FILTER_PID"; EXPLAINED=$?
+case "$EXPLAINED" in 0|2|3|129|130|143) ;;   # what quiet.awk exits with; anything else: it was killed
+    *) echo "pipe.sh: the output filter (quiet.awk) ended with status $EXPLAINED (killed?): torchrun's output after" \
+            "that was not shown; every rank's is in $RANK_LOGS; torchrun exited $CODE" >&2
+       EXPLAINED=0 ;;
+esac
 if [[ "$LOG_RANK" != all ]] && (( CODE != 0 )); then   # a failure reported by a rank not on screen (rank 0 was stopped or dead)
     for f in "$RANK_LOGS"/shown-by-rank*.txt; do [[ -e "$f" ]] && cat "$f" >&2; done
 fi

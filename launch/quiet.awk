@@ -11,6 +11,9 @@
     print; fflush(); n = 0; held = 0; worst = 0; crash = 0; signalled = 0; next
 }
 /^\[default[0-9]+\]:/ { print; fflush(); next }   # a worker's own output always passes
+# torchrun's own crash: held; a rendezvous that timed out (too few nodes came) is said in one line at the end
+held == 0 && /^Traceback \(most recent call last\)/ { held = 1 }
+/RendezvousTimeoutError/ { rdzv = 1 }
 held == 0 && /closing signal|failed \(exitcode: / { held = 1 }
 held == 0 { print; fflush(); next }
 {
@@ -27,6 +30,13 @@ held == 0 { print; fflush(); next }
     }
 }
 END {
+    if (rdzv) {
+        split(nnodes, range, ":")
+        print "pipe.sh: the nodes' rendezvous timed out: fewer than " range[1] " node(s) (NNODES=" nnodes ") " \
+              "joined at " endpoint " within RDZV_TIMEOUT=" timeout " s; start the other nodes (NODE_RANK=1, 2, " \
+              "...) with the same NNODES, MASTER_ADDR, MASTER_PORT and RDZV_ID, or lower NNODES' minimum"
+        exit 2
+    }
     # a rank not on screen reported the failure (pipe.sh shows it next): the ranks it names were stopped for it
     if (n && crash && reports != "" && system("ls '" reports "'/shown-by-rank*.txt >/dev/null 2>&1") == 0) {
         crash = 0; if (worst < 3) worst = 3

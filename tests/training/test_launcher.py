@@ -364,3 +364,45 @@ def test_pipe_sh_shows_a_report_made_by_a_rank_it_does_not_show(tmp_path: Path) 
     proc = pipe_sh_job(tmp_path, 2, env={"PYTHON": str(fake)}, check=False)
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.rstrip().endswith("report: rank 0 said nothing; likely culprit: rank 0"), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(120)
+def test_a_node_that_never_comes_and_a_killed_output_filter_are_said(tmp_path: Path) -> None:
+    """NNODES=2:4 with node 1 never started: one line naming the rendezvous and the knobs (not torchrun's traceback
+    with an empty message); the output filter (quiet.awk) killed under a running job: said, with torchrun's own
+    exit status, not a bare 137."""
+    port = str(free_port())
+    alone = pipe_sh("1", "cpus", "--model", "mlp", "--steps", "2", "--log-dir", str(tmp_path), cwd=tmp_path,
+                    env={"NNODES": "2:4", "NODE_RANK": "0", "MASTER_PORT": port, "RDZV_ID": "t", "RDZV_TIMEOUT": "2"})
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr
+    assert alone.stderr.rstrip().endswith(
+        f"pipe.sh: the nodes' rendezvous timed out: fewer than 2 node(s) (NNODES=2:4) joined at 127.0.0.1:{port} "
+        "within RDZV_TIMEOUT=2 s; start the other nodes (NODE_RANK=1, 2, ...) with the same NNODES, MASTER_ADDR, "
+        "MASTER_PORT and RDZV_ID, or lower NNODES' minimum"), alone.stderr
+    job = start_pipe_sh_job(tmp_path / "job", 1, "--model", "mlp", "--steps", "30")
+    awk = next(pid for pid in _descendants(job.pid) if b"quiet.awk" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    os.kill(awk, signal.SIGKILL)
+    _, err = job.communicate(timeout=100)
+    assert "pipe.sh: the output filter (quiet.awk) ended with status 137 (killed?)" in err, err
+    assert job.returncode != 137 and f"torchrun exited {job.returncode}" in err, (job.returncode, err)
+
+
+def _descendants(root: int) -> list[int]:
+    for _ in range(100):
+        parents = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        found, grew = {root}, True
+        while grew:
+            more = {p for p, pp in parents.items() if pp in found} - found
+            found |= more
+            grew = bool(more)
+        if len(found) > 2:
+            return sorted(found - {root})
+        time.sleep(0.05)
+    return []
