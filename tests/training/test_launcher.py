@@ -188,7 +188,6 @@ def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) ->
     proc = _endless(tmp_path, "--save-on-exit", "--save-dir", str(tmp_path / "ck"))
     try:
         _wait_for_step_line(proc, "step 3/")
-        t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
         try:
             out, err = proc.communicate(timeout=60)
@@ -196,11 +195,9 @@ def test_ctrl_c_stops_every_rank_saves_and_writes_the_summary(tmp_path: Path) ->
             _kill_group(proc)
             out, err = proc.communicate(timeout=30)
             raise AssertionError(f"pipe.sh still running 60 s after SIGINT:\n{out[-3000:]}\n{err[-3000:]}") from None
-        elapsed = time.monotonic() - t0
     finally:
         _kill_group(proc)
     assert proc.returncode == 130, err[-3000:]
-    assert elapsed < 15, elapsed
     assert "SIGINT: every rank stopped after step" in err and "Traceback" not in err, err[-3000:]
     out = _unprefixed(out)
     assert "=" * 72 in out and "\nloss       first " in out   # the summary block, on Ctrl-C too
@@ -222,10 +219,10 @@ def test_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
         workers = _workers(proc.pid)
         assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
         os.kill(torchrun[0], signal.SIGKILL)
-        elapsed = _until_gone(workers)
+        _until_gone(workers)
     finally:
         survivors = _kill_survivors(workers, proc)
-    assert not survivors and elapsed < 10, elapsed
+    assert not survivors   # (gone within _until_gone's limit: how soon is benchmarks/faults.py's figure)
 
 
 @pytest.mark.slow
@@ -241,11 +238,11 @@ def test_killing_the_launcher_script_alone_stops_every_worker(sig: signal.Signal
         torchrun, workers = _workers_parent(proc.pid), _workers(proc.pid)
         assert len(workers) == 2 and len(torchrun) == 1, (workers, torchrun)
         os.kill(proc.pid, sig)
-        elapsed = _until_gone(workers + torchrun)
+        _until_gone(workers + torchrun)
         out, err = proc.communicate(timeout=30)
     finally:
         survivors = _kill_survivors(workers, proc)
-    assert not survivors and elapsed < 10, elapsed
+    assert not survivors   # (gone within _until_gone's limit: how soon is benchmarks/faults.py's figure)
     if sig == signal.SIGTERM:   # passed on: every worker stops after the same step and says so, with the summary
         assert proc.returncode == 143 and "SIGTERM: every rank stopped after step" in err, err[-3000:]
         assert "\nloss       first " in _unprefixed(out)
