@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from .logs import log
 from .hangs import describe_line, doing_text, dump_flight_recorder, ranks_text, wait_for_report
 from .numerics import NonFiniteError
 from .options import STARTUP_TIMEOUT
@@ -284,7 +285,7 @@ class Watch:
                 return
         except Exception:
             pass
-        print(text, file=sys.stderr, flush=True)
+        log.error(text)
         logs = os.environ.get("PIPEENGINE_RANK_LOGS")
         if self.rank != 0 and logs:   # launch/pipe.sh shows only rank 0's output: it shows this file at the end
             try:

@@ -22,7 +22,6 @@ import json
 import os
 import pickle
 import shutil
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..runtime.agree import on_every_rank, raise_if_any
+from ..runtime.logs import log
 from .checksums import changed_tensor, checksums, gathered_checksums, layout_error
 
 if TYPE_CHECKING:
@@ -327,8 +327,8 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
 
     path, md, info = on_every_rank(read, catch=(CheckpointError, OSError, ValueError), raise_as=CheckpointError)
     if not isinstance(info.get("checksums"), dict) and dist.get_rank() == 0:
-        print(f"note: checkpoint {path!r} carries no checksums in its {MANIFEST} (written before they existed, or "
-              f"the manifest was edited): its tensors are loaded unverified", file=sys.stderr)
+        log.warning(f"note: checkpoint {path!r} carries no checksums in its {MANIFEST} (written before they existed, "
+                    f"or the manifest was edited): its tensors are loaded unverified")
     saved = {k: (tuple(m.size), m.properties.dtype) if hasattr(m, "size") else None
              for k, m in md.state_dict_metadata.items()}
     sd = engine.loadable_state_dict(saved, restore_rng=info.get("world_size") == engine.topology.world_size)

@@ -17,6 +17,7 @@ import re
 import sys
 from typing import Any, NoReturn, Sequence
 
+from ..runtime.logs import log
 from .config import Config, Setting, settings, to_toml
 from .sections import MODELS
 
@@ -162,8 +163,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             p.exit(2, f"error: {exc}\n")
     args = vars(p.parse_args(argv))
     if any(a == "--checkpoint" or a.startswith("--checkpoint=") for a in (sys.argv[1:] if argv is None else argv)):
-        print("note: --checkpoint is now --recompute (activation recompute); in pipeengine a checkpoint is a saved "
-              "training state (--save-interval)", file=sys.stderr)
+        log.warning("note: --checkpoint is now --recompute (activation recompute); in pipeengine a checkpoint is a "
+                    "saved training state (--save-interval)")
     args.pop("config")
     show = args.pop("print_config")
     cfg = Config()

@@ -11,10 +11,10 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
+from ..runtime.logs import log
 from ..runtime.topology import Topology
 from ..schedule.builders import ANY_CHUNKS, default_chunks
 from .batch import Batch, split_global_batch
@@ -108,7 +108,7 @@ class Config:
                 given, pp = pp, max(d for d in range(1, min(pp, world_size) + 1) if world_size % d == 0)
                 why = (f"elastic: {world_size} processes: pp {pp} x dp {world_size // pp} (--pp {given} does not "
                        f"divide {world_size})")
-            print(why, file=sys.stderr)
+            log.warning(why)
             self.parallel.pp, self.parallel.dp, dp = pp, None, None
         elif elastic and dp is not None and pp is not None and pp * dp != world_size:
             self.parallel.dp = dp = None   # elastic: dp follows the world

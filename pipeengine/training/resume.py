@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ..runtime.agree import decided_by_rank0, gathered
+from ..runtime.logs import log
 from ..runtime.topology import Topology
 from ..schedule import Costs
 from .checkpoint import MANIFEST, TMP, CheckpointError, latest, load, manifest, resolve
@@ -66,9 +66,8 @@ def pick_checkpoint(cfg: Config, topo: Topology, num_layers: int) -> ResumePoint
     if attempt != 0 and dist.get_rank() != 0 and os.environ.get("LOCAL_RANK") == "0":
         # every node's screen says it too (pipe.sh shows its node's local rank 0): launch/quiet.awk there
         # starts over on it, or the last attempt's failures would be held as this run's exit status
-        print(f"{_restart_text(attempt)}: resuming from {point.path}" if point else
-              f"{_restart_text(attempt)}: no checkpoint of this run yet: starting at step 0", file=sys.stderr,
-              flush=True)
+        log.warning(f"{_restart_text(attempt)}: resuming from {point.path}" if point else
+                    f"{_restart_text(attempt)}: no checkpoint of this run yet: starting at step 0")
     return point
 
 
@@ -95,7 +94,7 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
         for p in partial:
             why = "a save that did not finish" if os.path.basename(p).startswith(TMP) else \
                 f"it has no {MANIFEST}: a save or copy that did not finish"
-            print(f"ignoring incomplete checkpoint {p} ({why})")
+            log.info(f"ignoring incomplete checkpoint {p} ({why})")
         if found is not None and (resume == "latest" or run_id in (None, "none")   # (no id: trust it)
                                   or manifest(found).get("run_id") == run_id):
             path = found
@@ -103,10 +102,10 @@ def _decide(cfg: Config, topo: Topology, num_layers: int, attempt: int) -> Resum
         path = resume
     if attempt != 0:   # on stderr: launch/quiet.awk starts over on it (what it held was the last attempt's)
         what = _restart_text(attempt)
-        print(f"{what}: resuming from {path}" if path else
-              f"{what}: no checkpoint of this run yet: starting at step 0", file=sys.stderr, flush=True)
+        log.warning(f"{what}: resuming from {path}" if path else
+                    f"{what}: no checkpoint of this run yet: starting at step 0")
     elif path is None:
-        print(f"no checkpoint in {cfg.saving.dir!r}: starting at step 0")
+        log.info(f"no checkpoint in {cfg.saving.dir!r}: starting at step 0")
     if path is None:
         return None
     path = resolve(path)
@@ -156,7 +155,7 @@ def _keep_batch(cfg: Config, topo: Topology, info: dict[str, Any]) -> Batch | No
         return None
     batch, note = resume_batch(topo.dp, saved, *cfg.given_batch(), pp=topo.pp)
     if note:
-        print(note)
+        log.info(note)
     return batch
 
 
@@ -167,8 +166,8 @@ def _note_changes(cfg: Config, info: dict[str, Any]) -> None:
     saved, now = flat_config(info["config"]), cfg.flat()
     changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in TRAJECTORY if k in saved and saved[k] != now[k]]
     if changed:
-        print(f"note: resuming with settings that differ from the checkpoint's ({'; '.join(changed)}): "
-              f"the run continues, but not as the saved one would have")
+        log.info(f"note: resuming with settings that differ from the checkpoint's ({'; '.join(changed)}): "
+                 f"the run continues, but not as the saved one would have")
 
 
 def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tuple[int, int, dict[str, Any] | None]:
@@ -180,10 +179,10 @@ def resume(cfg: Config, engine: PipelineEngine, point: ResumePoint | None) -> tu
     t0 = time.perf_counter()
     info = load(engine, point.path)
     if engine.rank == 0:
-        print(f"resumed from {info['path']} at step {info['step']} in {time.perf_counter() - t0:.2f} s (written "
-              f"with pp={info.get('pp')} dp={info.get('dp')}{' zero 1' if info.get('zero') else ''} "
-              f"{info.get('schedule')}; this run: pp={engine.topology.pp} dp={engine.topology.dp}, stage bounds "
-              f"{engine.bounds})")
+        log.info(f"resumed from {info['path']} at step {info['step']} in {time.perf_counter() - t0:.2f} s (written "
+                 f"with pp={info.get('pp')} dp={info.get('dp')}{' zero 1' if info.get('zero') else ''} "
+                 f"{info.get('schedule')}; this run: pp={engine.topology.pp} dp={engine.topology.dp}, stage bounds "
+                 f"{engine.bounds})")
     if info["step"] >= cfg.optimizer.steps:
         raise ValueError(f"the checkpoint is at step {info['step']}, not before --steps {cfg.optimizer.steps}; "
                          f"ask for more steps to continue training")

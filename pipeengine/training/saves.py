@@ -4,10 +4,10 @@ the exit budget, each made visible once every rank wrote it."""
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..runtime.logs import log
 from .checkpoint import AsyncSaver, save
 from .config import Config
 
@@ -42,19 +42,19 @@ class Saves:
         self.last_s = time.perf_counter() - t_save
         if self.rank == 0:
             how = "the step waited" if self.saver else "saved"
-            print(f"{chr(10) if newline else ''}{saved}: {how} {self.last_s:.2f} s")
+            log.info(f"{chr(10) if newline else ''}{saved}: {how} {self.last_s:.2f} s")
 
     def on_exit(self, step: int, signum: int) -> None:
         """The save on a stop request; on SIGTERM bounded by --exit-save-budget (torchrun's SIGKILL follows)."""
         budget = self.cfg.saving.exit_budget
         if signum == signal.SIGTERM and self.last_s is not None and self.last_s > budget:
             if self.rank == 0:
-                print(f"exit save skipped: the last save took {self.last_s:.1f} s, more than the {budget:g} s "
-                      f"allowed after SIGTERM (--exit-save-budget); the newest checkpoint stands", file=sys.stderr)
+                log.warning(f"exit save skipped: the last save took {self.last_s:.1f} s, more than the {budget:g} s "
+                            f"allowed after SIGTERM (--exit-save-budget); the newest checkpoint stands")
             return
         self.save(step)
         if self.rank == 0 and signum == signal.SIGTERM:
-            print(f"exit save: {self.last_s:.1f} s of the {budget:g} s allowed after SIGTERM", file=sys.stderr)
+            log.warning(f"exit save: {self.last_s:.1f} s of the {budget:g} s allowed after SIGTERM")
 
     def publish(self, newline: bool = False, wait: bool = True) -> None:
         """Make a finished background save visible (``wait``: wait for the one in flight first)."""
@@ -62,4 +62,4 @@ class Saves:
             return
         published = self.saver.finish() if wait else self.saver.poll()
         if published and self.rank == 0:
-            print(f"{chr(10) if newline else ''}saved {published} (in the background)")
+            log.info(f"{chr(10) if newline else ''}saved {published} (in the background)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..runtime.logs import LEVELS
 from ..runtime.options import ON_NONFINITE, PRECISIONS, WIRE_MODES
 from ..schedule.builders import SCHEDULES
 from . import checks
@@ -202,6 +203,9 @@ class LoggingConfig:
                                    "per-position views) every N steps; loss and throughput go to TensorBoard every "
                                    "step (0: steps / 50, about 50 lines)", check=at_least(0))
     quiet: bool = setting(False, "no progress output; errors and the summary")
+    level: str = setting("info", "what the log shows (logging, logger 'pipeengine', each record carrying its rank): "
+                                 "debug, info, warning (notes and restarts), error", flag="--log-level",
+                         choices=LEVELS)
     timeline_interval: int = setting(25, "also log the pipeline timeline image every N steps (it is always logged "
                                          "for the first step after warm-up and the last; 0: only those)",
                                      check=at_least(0))

@@ -22,6 +22,7 @@ from ..runtime.agree import gathered, on_every_rank, same_settings
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.layers import sizing_layers
+from ..runtime.logs import log, set_level
 from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
 from ..schedule.builders import schedule_bubble
@@ -68,6 +69,7 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        set_level(cfg.logging.level)
         self.device, self.owned = init_distributed(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
@@ -172,18 +174,18 @@ class Trainer:
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
                                  warm=self.warm, writer=self.writer)
         if self.rank == 0 and not cfg.logging.quiet:
-            print(topo.describe())
+            log.info(topo.describe())
             if self.engine.plan.choice is not None:
-                print(self.engine.plan.choice.describe(self.engine.schedule.name))
+                log.info(self.engine.plan.choice.describe(self.engine.schedule.name))
             if self.engine.plan.auto is not None:
-                print(self.engine.plan.auto.describe())
-            print(f"model {cfg.model.name}{'/' + cfg.model.preset if cfg.model.preset else ''}: "
-                  f"{self.engine.num_layers} layers, stage bounds "
-                  f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.describe(topo.dp)}; "
-                  f"logs in {self.run_dir}")
+                log.info(self.engine.plan.auto.describe())
+            log.info(f"model {cfg.model.name}{'/' + cfg.model.preset if cfg.model.preset else ''}: "
+                     f"{self.engine.num_layers} layers, stage bounds "
+                     f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.describe(topo.dp)}; "
+                     f"logs in {self.run_dir}")
             hint = slow_bf16_hint(self.device, cfg.precision.mode)
             if hint:
-                print(hint)
+                log.info(hint)
 
     # ------------------------------------------------------------------ steps
 
@@ -205,15 +207,15 @@ class Trainer:
         self.last_step_s = time.perf_counter() - t
         self.state.losses.append(res.loss)
         if res.nonfinite and self.rank == 0:
-            print(f"step {step}: non-finite loss or gradients, update skipped ({engine.skipped_steps} so far)",
-                  file=sys.stderr)
+            log.warning(f"step {step}: non-finite loss or gradients, update skipped ({engine.skipped_steps} so far)")
             self.writer.log_scalars(step, {"train/skipped_steps": engine.skipped_steps})
-        log = cfg.logging
-        every = log.timeline_interval
+        shown = cfg.logging
+        every = shown.timeline_interval
         timeline = step in self.timeline_steps or bool(every and (step + 1) % every == 0)
-        wanted = step % log.log_interval == 0 or step == cfg.optimizer.steps - 1 or log.trace_step == step or timeline
+        wanted = (step % shown.log_interval == 0 or step == cfg.optimizer.steps - 1 or shown.trace_step == step
+                  or timeline)
         if wanted and engine.replica == 0:   # replica 0's pipeline stands for every replica (the same program)
-            self.reporter.timings(step, res, lr, log.trace_step == step, timeline)
+            self.reporter.timings(step, res, lr, shown.trace_step == step, timeline)
         elif self.rank == 0:
             self.writer.log_scalars(step, {"train/loss": res.loss, "train/lr": lr, "time/step_s": res.step_time,
                                            **({"train/grad_norm": res.grad_norm} if res.grad_norm is not None
@@ -252,7 +254,7 @@ class Trainer:
             self.setup()
         except ValueError as exc:
             if self.rank == 0:
-                print(f"error: {exc}", file=sys.stderr)
+                log.error(f"error: {exc}")
             raise self._exit(2) from None
         self._open_logs()
         cfg = self.cfg
@@ -273,7 +275,7 @@ class Trainer:
         except ValueError as exc:   # a bad input met in the step (e.g. a stage that cannot take its input)
             self.state.status = f"failed: {exc}"
             if self.rank == 0:
-                print(f"{self._nl()}error: {exc}", file=sys.stderr)
+                log.error(f"{self._nl()}error: {exc}")
             code = 2
         except BaseException as exc:
             self.state.status = f"failed: {type(exc).__name__}: {exc}"
@@ -324,7 +326,7 @@ class Trainer:
             name = signal.Signals(stopped).name
             state.status = f"stopped by {name} after step {state.done}"
             if self.rank == 0:
-                print(f"{self._nl()}{name}: every rank stopped after step {state.done}", file=sys.stderr)
+                log.warning(f"{self._nl()}{name}: every rank stopped after step {state.done}")
             if cfg.saving.on_exit and not (cfg.saving.interval and state.done % cfg.saving.interval == 0):
                 self.saves.on_exit(state.done, stopped)
             code = 128 + stopped
@@ -346,12 +348,12 @@ class Trainer:
     def _stopped_nonfinite(self, exc: NonFiniteError) -> int:
         self.state.status = f"stopped: {exc}"
         if self.rank == 0:
-            print(f"{self._nl()}error: {exc}", file=sys.stderr)
+            log.error(f"{self._nl()}error: {exc}")
         try:   # a background save still in flight is made visible (every rank is here)
             self.saves.publish()
         except CheckpointError as failed:   # raised on every rank alike
             if self.rank == 0:
-                print(f"error: {failed}", file=sys.stderr)
+                log.error(f"error: {failed}")
         return EXPLAINED
 
     def _nl(self) -> str:
@@ -370,6 +372,6 @@ def run(cfg: Config) -> dict[str, Any]:
         trainer = Trainer(cfg)
     except ValueError as exc:   # no process group to agree on it: every rank says it (e.g. --device cuda, no GPU)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {exc}", file=sys.stderr)
+            log.error(f"error: {exc}")
         raise SystemExit(2) from None
     return trainer.run()

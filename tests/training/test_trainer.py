@@ -290,3 +290,27 @@ def test_the_last_progress_line_shows_the_final_validation_and_tensorboard_count
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 3]   # after steps 2 and 3, as the console says
+
+
+@pytest.mark.timeout(120)
+def test_the_log_is_pythons_logging_with_the_rank_in_each_record(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Log lines are records of logger "pipeengine" (a handler of one's own sees the rank); --log-level warning keeps
+    them off the screen while the summary (the run's screen, not a log) stays."""
+    import logging
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append   # type: ignore[method-assign]
+    logging.getLogger("pipeengine").addHandler(handler)
+    try:
+        common = ["--model", "mlp", "--steps", "2", "--log-dir", str(tmp_path), "--eval-interval", "0"]
+        run(parse_args(common))
+        out = capsys.readouterr().out
+        mine = [r for r in seen if r.getMessage().startswith("model mlp/tiny: 10 layers")]
+        assert "model mlp/tiny: 10 layers" in out and [getattr(r, "rank", None) for r in mine] == ["0"]
+        run(parse_args([*common, "--log-level", "warning"]))
+        out = capsys.readouterr().out
+        assert "model mlp/tiny: 10 layers" not in out and "loss       first" in out
+    finally:
+        logging.getLogger("pipeengine").removeHandler(handler)
+        logging.getLogger("pipeengine").setLevel(logging.INFO)
