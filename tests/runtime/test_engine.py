@@ -219,3 +219,34 @@ def test_bad_engine_arguments_are_named_before_anything_runs(request: pytest.Fix
     assert len(got) == len(expect)
     for g, e in zip(got, expect):
         assert g.startswith(e), (g, e)
+
+
+def _loader_steps(rank: int, world: int) -> list[float]:
+    """The same global batches twice: as per-step lists, and through one DataLoader iterator per replica (its
+    share of the examples, as a DistributedSampler without shuffling gives it) kept across the steps."""
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.topology import Topology
+    from tests.runtime.equivalence import OPTIMIZERS, batch, mlp_layers, replica_iter
+    torch.set_default_dtype(torch.float64)
+    try:
+        losses = []
+        for via_loader in (False, True):
+            engine = PipelineEngine(mlp_layers(), torch.nn.functional.mse_loss, OPTIMIZERS["adam"],
+                                    topology=Topology(1, 2), microbatches=4, wire="strict")
+            xs, ys = zip(*(batch(step) for step in range(3)))
+            mine = [t * 16 + 8 * engine.replica + k for t in range(3) for k in range(8)]   # step t: 8 of its 16
+            it = iter(DataLoader(Subset(TensorDataset(torch.cat(xs), torch.cat(ys)), mine), batch_size=2))
+            for step in range(3):
+                data = it if via_loader else replica_iter(batch, step, engine.replica, 2, 4)
+                losses.append(engine.train_batch(data).loss)
+        return losses
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_dataloader_iterator_kept_across_steps_gives_each_step_its_microbatches(  # type: ignore[no-untyped-def]
+        world2) -> None:
+    for losses in world2.run(_loader_steps):
+        assert losses[:3] == losses[3:], losses
