@@ -171,9 +171,12 @@ class Watch:
             return
         frames = traceback.extract_tb(exc.__traceback__)
         ours = bool(frames) and "pipeengine" in frames[-1].filename
-        at = next((f for f in reversed(frames) if f"pipeengine{os.sep}" in f.filename), None)
-        where = "" if at is None or ours else f" (in {at.filename.rpartition('pipeengine' + os.sep)[2]}:{at.lineno}" \
-            f", {at.name})"   # a failure deep in torch: the engine's own last line says what it was doing
+        # an internal error (raised by the engine's own code or by torch called from it, not by the user's layers
+        # or loss): its place in the engine names its cause, besides the traceback rank 0 shows
+        at = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), None)
+        internal = at is not None and f"pipeengine{os.sep}" in at.filename and not isinstance(exc, ValueError)
+        where = f" (in {at.filename.rpartition('pipeengine' + os.sep)[2]}:{at.lineno}, {at.name})" \
+            if at is not None and internal else ""
         self.fail(exc, f"error: rank {self.rank} ({self.context}) failed in {doing_text(self.doing)}{where}: "
                        f"{type(exc).__name__}: {exc}", ours and isinstance(exc, (ValueError, TypeError)))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -413,3 +414,30 @@ def test_a_broken_connection_names_the_rank_whose_process_ended(tmp_path: Path) 
                     f"data-parallel gradient all-reduce: Connection reset by peer")
     assert json.loads(store.get(PREFIX + "failed"))["summary"] == text   # what every other rank will show
     assert Watch(store, 0, 3)._failure_text() == text
+
+
+def _internal_failure(rank: int, world: int) -> str:
+    import functools
+    import json
+
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.faults import PREFIX, watch
+    from pipeengine.runtime.topology import Topology
+    engine = PipelineEngine([nn.Linear(4, 4), nn.Linear(4, 4)], nn.functional.mse_loss,
+                            lambda ps: torch.optim.SGD(ps, lr=0.1), topology=Topology(2, 1), microbatches=2)
+    # torch raising under the engine's own call (as ZeRO-1's float index did), on both ranks: no rank blocks
+    engine.grad_sync.finish = functools.partial(torch.empty(2).__getitem__, torch.tensor([0.5]))
+    try:
+        engine.train_batch(iter([(torch.randn(2, 4), torch.randn(2, 4))] * 2))
+    except IndexError:
+        pass
+    return str(json.loads(watch().store.get(PREFIX + "failed"))["summary"])   # what every rank is told
+
+
+@pytest.mark.timeout(120)
+def test_an_internal_error_names_where_in_the_engine_it_happened() -> None:
+    said = run_distributed(_internal_failure, 2)   # fresh ranks: the failure stays in their fault channel
+    assert said[0] == said[1] and re.fullmatch(
+        r"error: rank [01] \(position [01], replica 0, step 0\) failed in the end-of-step gradient sync \(in "
+        r"runtime/update\.py:\d+, finish\): IndexError: tensors used as indices must be long, int, byte or bool "
+        r"tensors", said[0]), said[0]

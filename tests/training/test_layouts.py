@@ -147,8 +147,8 @@ def _load(rank: int, world: int, path: str) -> str:
 def test_a_sharded_state_written_as_a_part_is_refused_at_load_and_export(
         tmp_path: Path, world2: WorldPool, capsys: pytest.CaptureFixture[str]) -> None:
     """The torch 2.13 failure made by hand: one replica's part of an exp_avg stored as the whole tensor. The
-    load (unsharded, dp 2) and the export refuse it in one line naming the tensor, instead of crashing later
-    in AdamW; a manifest without checksums is said."""
+    load (unsharded, dp 2) refuses it in one line naming the tensor, instead of crashing later in AdamW; the
+    export, which reads the model alone, still works; a manifest without checksums is said."""
     import json
     import pickle
     from pipeengine.training.export import main
@@ -167,8 +167,7 @@ def test_a_sharded_state_written_as_a_part_is_refused_at_load_and_export(
     (ck / ".metadata").write_bytes(pickle.dumps(md))
     for why in world2.run(_load, str(ck)):
         assert why.startswith(f"checkpoint {str(ck)!r} does not add up: {key} was written as") and "\n" not in why
-    assert main(["export", str(ck), str(tmp_path / "out.pt")]) == 2
-    assert f"does not add up: {key}" in capsys.readouterr().err and not (tmp_path / "out.pt").exists()
+    assert main(["export", str(ck), str(tmp_path / "out.pt")]) == 0 and (tmp_path / "out.pt").exists()
     del manifest["checksums"], manifest["shapes"]
     (ck / "manifest.json").write_text(json.dumps(manifest))
     for why in world2.run(_load, str(ck)):   # the pieces still do not cover the parameter's shape
