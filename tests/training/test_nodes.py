@@ -33,6 +33,7 @@ from tests.training.test_checkpoint import _worker_pid
 
 FLAGS = ["--model", "mlp", "--log-interval", "1", "--eval-interval", "0", "--timeline-interval", "0",
          "--partition", "uniform", "--keep", "0", "--pp", "2", "--save-interval", "4"]
+STEPS = 32   # kills after the checkpoints of steps 8 and 20 (saved every 4), then 12 steps at world 2
 Kill = tuple[str, Callable[[subprocess.Popen[str]], None]]   # (when node 0 prints this, do this to node 1)
 
 
@@ -114,10 +115,10 @@ def _train(rank: int, world: int, flags: list[str]) -> dict[str, Any]:
 def test_a_worker_killed_restarts_both_nodes_and_a_node_gone_for_good_leaves_the_other_at_world_2(
         tmp_path: Path, world2: WorldPool, world4: WorldPool) -> None:
     straight = tmp_path / "straight"   # the uninterrupted run at world 4, its step-20 checkpoint
-    world4.run(_train, [*FLAGS, "--steps", "60", "--save-dir", str(straight), "--log-dir", str(tmp_path),
+    world4.run(_train, [*FLAGS, "--steps", str(STEPS), "--save-dir", str(straight), "--log-dir", str(tmp_path),
                         "--run-name", "straight"], timeout=200)
-    out, codes, killed, steps = _two_nodes(tmp_path, "1:2", 60, [("step-00000008", _kill_a_worker),
-                                                                 ("step-00000020", _the_node_dies)])
+    out, codes, killed, steps = _two_nodes(tmp_path, "1:2", STEPS, [("step-00000008", _kill_a_worker),
+                                                                    ("step-00000020", _the_node_dies)])
     assert len(killed) == 2 and codes[0] == 0, (codes, killed, out[-3000:])
     # 1. both nodes restarted from step 8 (node 0's own workers were fine); step 20 as if nothing happened
     restarts = re.findall(r"restart \d+: resuming from (\S+step-(\d+))", out)   # (torchrun's counts are per node)
@@ -139,6 +140,6 @@ def test_a_worker_killed_restarts_both_nodes_and_a_node_gone_for_good_leaves_the
     assert summary["first_step"] == resumed and change["microbatches"] == 8   # the same global batch
     assert "world      4 -> 2 processes at step" in out
     # a run resumed at world 2 from the same checkpoint computes the same losses
-    ref = world2.run(_train, [*FLAGS, "--steps", "60", "--resume", path, "--log-dir", str(tmp_path),
+    ref = world2.run(_train, [*FLAGS, "--steps", str(STEPS), "--resume", path, "--log-dir", str(tmp_path),
                               "--run-name", "ref"], timeout=200)[0]
     assert ref["losses"] == summary["losses"], (ref["losses"][:3], summary["losses"][:3])
