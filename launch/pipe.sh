@@ -190,8 +190,12 @@ try:
 except (AttributeError, OSError):
     pass
 os.execvp(sys.argv[1], sys.argv[1:])'
+# mawk (Debian's awk) reads a pipe in blocks: without -W interactive the ranks' stderr (a wait-for report) would
+# reach the screen only when the job ends
+AWK=(awk)
+awk -W version 2>/dev/null | grep -q mawk && AWK=(awk -W interactive)
 set +e
-exec 4> >(trap '' INT TERM HUP; exec awk -v reports="$RANK_LOGS" -v nnodes="$NNODES" -v timeout="${RDZV_TIMEOUT:-120}" \
+exec 4> >(trap '' INT TERM HUP; exec "${AWK[@]}" -v reports="$RANK_LOGS" -v nnodes="$NNODES" -v timeout="${RDZV_TIMEOUT:-120}" \
           -v endpoint="$MASTER_ADDR:$MASTER_PORT" -f "$(dirname "$0")/quiet.awk" 1>&2)
 FILTER_PID=$!
 "$PYTHON" -c "$DIE_WITH_ME" "${CMD[@]}" 2>&4 3>&- &

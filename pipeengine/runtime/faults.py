@@ -22,6 +22,16 @@ a report printed by another rank is also left in ``shown-by-rank<r>.txt`` for pi
 silent during a hang is stopped, dead or stuck outside the engine: the report names it the likely
 culprit; a rank whose connection broke with nothing published names the ranks on its host whose
 process ended. Workers of a launcher also stop when it dies (``watch_parent``).
+
+Start-up (``starting``): the trainer creates its watch on the rendezvous store before the process
+group exists, and until :meth:`Watch.started` (the end of set-up) each rank's watcher counts up
+``alive/<rank>`` every poll and looks at the next rank's count (a ring: every rank is looked at by
+one other, one store key each). A peer whose count has not moved for ``timeout`` seconds
+(``--timeout``, else ``STARTUP_TIMEOUT``) is stopped or dead: the watcher makes the wait-for report
+and ends its process, since its main thread may be blocked for good in the group's creation or a
+set-up collective (those wait up to ``--collective-timeout``). A peer that is merely slow (a long
+model load, a checkpoint read) keeps counting, so no start-up wait is cut short. The other ranks,
+likely blocked in a set-up collective too, end ``kill_after`` seconds after they see the report.
 """
 
 from __future__ import annotations
@@ -32,31 +42,20 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from .logs import log
-from .hangs import describe_line, doing_text, dump_flight_recorder, ranks_text, wait_for_report
-from .numerics import NonFiniteError
+from .channel import EXPLAINED, PREFIX, FaultChannel, PeerFailed, WaitTimeout
+from .hangs import describe_line, doing_text, dump_flight_recorder, ranks_text
 from .options import STARTUP_TIMEOUT
 
 __all__ = ["EXPLAINED", "SHOW_LIMIT", "PeerFailed", "WaitTimeout", "Watch", "watch", "adaptive_timeout"]
 
-EXPLAINED = 3            # exit status of a rank that stopped because of an explained fault elsewhere
-PREFIX = "pipeengine/faults/"
 POLL = 0.5               # seconds between the watcher's looks at the store
+STARTED = 1 << 40        # added to alive/<rank> when a rank's set-up is done: its start-up peer stops looking
 SHOW_LIMIT = 10.0        # seconds a rank stopping over a failure waits for rank 0 to have printed it
-
-
-class WaitTimeout(RuntimeError):
-    """A wait did not complete in time; the message is this rank's line, then the wait-for report."""
-
-
-class PeerFailed(RuntimeError):
-    """Another rank failed (or the launcher or the store went away); the message says which and why."""
 
 
 def adaptive_timeout(step_times: Sequence[float]) -> float:
@@ -67,24 +66,26 @@ def adaptive_timeout(step_times: Sequence[float]) -> float:
     return max(60.0, 20.0 * ordered[len(ordered) // 2])
 
 
-class Watch:
-    """This rank's side of the fault channel (see the module note); one per process group."""
+class Watch(FaultChannel):
+    """This rank's side of the fault channel (see the module note; its messages: channel.py) and the waits it
+    watches; one per process group."""
 
-    def __init__(self, store: Any, rank: int, world: int) -> None:
-        self.store, self.rank, self.world = store, rank, world
-        self.timeout = STARTUP_TIMEOUT
-        self.context = ""                  # "position 1, replica 0, step 3", set by the engine
-        self.doing: Any = ""               # what the main thread runs (a program step or a phrase), set by the engine
+    def __init__(self, store: Any, rank: int, world: int, starting: str = "") -> None:
+        """``starting``: what start-up does first (the trainer, before the process group exists): until
+        :meth:`started`, a silent peer is reported (see the module note)."""
+        super().__init__(store, rank, world)
+        self.doing = starting
         self.peer_failure: str | None = None
-        self.exit_status = EXPLAINED
         self.kill_after = 2.0              # seconds a blocked rank may still unblock by itself after a failure
         self._noticed = 0.0
         self._waiting: dict[str, Any] | None = None   # what the main thread is blocked on
         self._events = 0
-        self._published = False
         self._store_errors = 0
         self._ppid: int | None = None
-        self._group = dist.group.WORLD
+        self._group = dist.group.WORLD     # None before the process group exists (``starting``): see adopt()
+        self._starting = bool(starting) and world > 1
+        self._peer = (rank + 1) % world                  # the rank this one looks at in start-up
+        self._peer_seen = (0, time.monotonic())          # its alive count, and since when
         self.event_factory: Callable[[], Any] = _cuda_event   # what host_values records (a test's fake here)
         try:   # where this rank runs: a silent rank in a report can then be inspected (py-spy, gdb)
             store.set(f"{PREFIX}where/{rank}", f"pid {os.getpid()} on {socket.gethostname()}")
@@ -94,6 +95,21 @@ class Watch:
         self._thread.start()
 
     # ------------------------------------------------------------------ main thread
+
+    def adopt(self) -> None:
+        """The process group now exists: this watch (made before it) is its watch (:func:`watch`)."""
+        self._group = dist.group.WORLD
+        _WATCHES[id(self._group)] = self
+
+    def started(self) -> None:
+        """Set-up is done: silent peers are the engine's waits' business from here on (see the module note)."""
+        if self._starting:
+            self._starting = False
+            try:
+                self.store.add(f"{PREFIX}alive/{self.rank}", STARTED)
+            except Exception:
+                pass
+        self.doing = ""
 
     def watch_parent(self) -> None:
         """Also stop this process when its launcher dies (its parent changes), even by ``kill -9``."""
@@ -163,163 +179,14 @@ class Watch:
             self.poll(event.query, what, peers, error)
         return t.tolist()
 
-    def report(self, exc: BaseException) -> None:
-        """Publish an exception leaving the engine on this rank, unless every rank raises it alike. A
-        ValueError or TypeError raised by pipeengine itself (e.g. a layer that cannot take its input)
-        counts as bad input."""
-        if isinstance(exc, (NonFiniteError, PeerFailed, WaitTimeout)):
-            return
-        frames = traceback.extract_tb(exc.__traceback__)
-        ours = bool(frames) and "pipeengine" in frames[-1].filename
-        # an internal error (raised by the engine's own code or by torch called from it, not by the user's layers
-        # or loss): its place in the engine names its cause, besides the traceback rank 0 shows
-        at = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), None)
-        internal = at is not None and f"pipeengine{os.sep}" in at.filename and not isinstance(exc, ValueError)
-        where = f" (in {at.filename.rpartition('pipeengine' + os.sep)[2]}:{at.lineno}, {at.name})" \
-            if at is not None and internal else ""
-        self.fail(exc, f"error: rank {self.rank} ({self.context}) failed in {doing_text(self.doing)}{where}: "
-                       f"{type(exc).__name__}: {exc}", ours and isinstance(exc, (ValueError, TypeError)))
-
-    def fail(self, exc: BaseException, summary: str, input_error: bool = False) -> None:
-        """Tell every rank that this one failed (the first failure wins); called before the exception leaves."""
-        if isinstance(exc, (PeerFailed, WaitTimeout)):
-            return
-        record = {"rank": self.rank, "summary": summary, "input_error": input_error,
-                  "traceback": "".join(traceback.format_exception(exc))}
-        try:
-            if self.store.compare_set(PREFIX + "failed", "", json.dumps(record)) == json.dumps(record).encode():
-                self.store.add(PREFIX + "events", 1)
-        except Exception:   # the store itself is gone: nothing left to tell
-            pass
-
-    def wait_shown(self, limit: float) -> bool:
-        """Before this rank exits over a failure: when a failure or a wait-for report was published, wait up to
-        ``limit`` seconds until it has been printed (by rank 0, the rank on screen; the launcher stops every
-        rank as soon as one exits). Whether it was; False at once when nothing was published."""
-        deadline = time.monotonic() + limit
-        try:
-            if not self.store.check([PREFIX + "failed"]) and not self.store.check([PREFIX + "report"]):
-                return False
-            while self.store.add(PREFIX + "printed", 0) == 0:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.1)
-            return True
-        except Exception:   # the store is gone
-            return False
-
-    def mark_shown(self) -> None:
-        """Rank 0 printed the failure itself (its own crash's traceback): ranks waiting in :meth:`wait_shown` go."""
-        try:
-            self.store.add(PREFIX + "printed", 1)
-        except Exception:
-            pass
-
-    def _gone(self, what: Any, why: str) -> str | None:
-        """After a connection broke and no rank reported why: the ranks on this host whose process has ended
-        (killed: SIGKILL, out of memory), published as the failure so every rank names the same (the first
-        rank to look sees only the dead one: the others stop after it). None if none is found here."""
-        host, gone = socket.gethostname(), []
-        try:
-            for r in range(self.world):
-                if r != self.rank and self.store.check([f"{PREFIX}where/{r}"]):
-                    where = self.store.get(f"{PREFIX}where/{r}").decode()   # "pid N on host"
-                    pid, _, on = where[len("pid "):].partition(" on ")
-                    if on == host and not _process_alive(int(pid)):
-                        gone.append(f"rank {r} ({where})")
-            if not gone:
-                return None
-            summary = (f"error: {', '.join(gone)} ended without a word (killed: SIGKILL, out of memory?); rank "
-                       f"{self.rank} ({self.context}) lost its connection in {doing_text(what)}: "
-                       f"{why.split('. This is')[0]}")
-            record = json.dumps({"rank": -1, "summary": summary, "input_error": False, "traceback": ""})
-            if self.store.compare_set(PREFIX + "failed", "", record) == record.encode():
-                self.store.add(PREFIX + "events", 1)
-            return self._failure_text() or summary
-        except Exception:   # the store is gone
-            return None
-
-    # ------------------------------------------------------------------ hang reports
-
-    def _line(self, state: str, what: Any = "", peers: Sequence[int] = (), secs: float = 0.0) -> dict[str, Any]:
-        return {"rank": self.rank, "context": self.context, "state": state, "what": doing_text(what),
-                "peers": list(peers), "secs": round(secs, 1)}
-
-    def _publish(self, line: dict[str, Any]) -> None:
-        self.store.set(f"{PREFIX}wait/{self.rank}", json.dumps(line))
-
-    def _hang(self, line: dict[str, Any]) -> str:
-        """Publish this rank's line, collect the others' for a grace period, print the report once."""
-        try:
-            self._publish(line)
-            self._published = True
-            if self.store.compare_set(PREFIX + "hang", "", str(self.rank)) == str(self.rank).encode():
-                self.store.add(PREFIX + "events", 1)
-            lines = self._collect(grace=min(5.0, max(1.5, self.timeout / 2)))
-            where = {r: self.store.get(f"{PREFIX}where/{r}").decode() for r in range(self.world)
-                     if r not in lines and self.store.check([f"{PREFIX}where/{r}"])}
-            report = wait_for_report(lines, self.world, self.timeout, where, dump_flight_recorder(self.rank))
-            if self.store.compare_set(PREFIX + "report", "", report) == report.encode():
-                self.store.add(PREFIX + "events", 1)
-            else:
-                report = self.store.get(PREFIX + "report").decode()
-        except Exception as exc:   # the store is gone (its host died): this rank's view only
-            return f"(no wait-for report: the store is unreachable: {exc})"
-        self.print_once(report, only_rank0=0 in lines)
-        return report
-
-    def _collect(self, grace: float) -> dict[int, dict[str, Any]]:
-        deadline = time.monotonic() + grace
-        lines: dict[int, dict[str, Any]] = {}
-        while True:
-            for r in range(self.world):
-                if r not in lines and self.store.check([f"{PREFIX}wait/{r}"]):
-                    lines[r] = json.loads(self.store.get(f"{PREFIX}wait/{r}"))
-            if len(lines) == self.world or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.1)
-
-    def print_once(self, text: str, only_rank0: bool = False) -> None:
-        """Rank 0 prints (the rank whose output ``launch/pipe.sh`` shows); if rank 0 is silent, the first caller."""
-        if only_rank0 and self.rank != 0:
-            return
-        try:
-            if self.store.add(PREFIX + "printed", 1) != 1:
-                return
-        except Exception:
-            pass
-        log.error(text)
-        logs = os.environ.get("PIPEENGINE_RANK_LOGS")
-        if self.rank != 0 and logs:   # launch/pipe.sh shows only rank 0's output: it shows this file at the end
-            try:
-                with open(os.path.join(logs, f"shown-by-rank{self.rank}.txt"), "w") as fh:
-                    fh.write(text + "\n")
-            except OSError:
-                pass
-
-    def _failure_text(self, wait: float = 0.0) -> str | None:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                if self.store.check([PREFIX + "failed"]):
-                    rec = json.loads(self.store.get(PREFIX + "failed"))
-                    self.exit_status = 2 if rec["input_error"] else EXPLAINED
-                    text = rec["summary"] if rec["input_error"] else f"{rec['summary']}\n{rec['traceback']}"
-                    return str(text).rstrip()
-                if self.store.check([PREFIX + "report"]):
-                    return str(self.store.get(PREFIX + "report").decode())
-            except Exception:
-                return None
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.1)
-
     # ------------------------------------------------------------------ the watcher thread
 
     def _run(self) -> None:
         while True:
             time.sleep(POLL)
-            if not dist.is_initialized() or dist.group.WORLD is not self._group:
+            if self._group is None and not self._starting:
+                return   # no process group, and not the trainer's start-up
+            if self._group is not None and (not dist.is_initialized() or dist.group.WORLD is not self._group):
                 return   # the process group this watch belongs to is gone
             if self._ppid is not None and os.getppid() != self._ppid:
                 self._stop_process(f"rank {self.rank}: the launcher (pid {self._ppid}) died; stopping this worker")
@@ -331,6 +198,8 @@ class Watch:
                 if events != self._events:
                     self._events = events
                     self._on_event()
+                if self._starting and self.peer_failure is None:
+                    self._look_at_peer()
             except Exception as exc:
                 self._store_errors += 1
                 if self._store_errors == 3 and self.peer_failure is None:
@@ -338,9 +207,22 @@ class Watch:
                                          f"unreachable (its host, rank 0 or the launcher, died): {exc}")
                     self._noticed = time.monotonic()
             waiting = self._waiting
-            if (self.peer_failure and waiting is not None
-                    and time.monotonic() - max(self._noticed, waiting["since"]) > self.kill_after):
-                self._stop_process(self.peer_failure)
+            if (self.peer_failure and (waiting is not None or self._starting)
+                    and time.monotonic() - max(self._noticed, waiting["since"] if waiting else 0.0) > self.kill_after):
+                self._stop_process(self.peer_failure)   # in start-up: blocked in a set-up collective, or soon will be
+
+    def _look_at_peer(self) -> None:
+        """Start-up: count this rank alive; report the next rank if its count has not moved for ``timeout``."""
+        self.store.add(f"{PREFIX}alive/{self.rank}", 1)
+        count = self.store.add(f"{PREFIX}alive/{self._peer}", 0)
+        now = time.monotonic()
+        if count >= STARTED:
+            return   # its set-up is done
+        if count != self._peer_seen[0]:
+            self._peer_seen = (count, now)
+        elif now - self._peer_seen[1] > self.timeout and not self._published:
+            line = self._line("waits", self.doing or "start-up", [self._peer], now - self._peer_seen[1])
+            self._stop_process(self._hang(line))
 
     def _on_event(self) -> None:
         if self.store.check([PREFIX + "hang"]) and not self._published:
@@ -370,21 +252,6 @@ class Watch:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(self.exit_status)
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` (on this host) still runs: not gone, not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
-        return True
 
 
 def _cuda_event() -> Any:

@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..runtime.faults import watch
+from ..runtime.faults import Watch
 from ..runtime.hangs import enable_flight_recorder
 from ..runtime.hostalloc import keep_freed_memory
 from ..runtime.options import STARTUP_TIMEOUT
@@ -38,6 +38,7 @@ def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
     if dist.is_initialized():
         return device, False
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    early: Watch | None = None
     if launched:
         # One node: torchrun keeps one store across restarts of the group (its agent's), and keys of a
         # crashed attempt (the Gloo addresses of its groups) would be read by the next one, so each attempt
@@ -50,6 +51,12 @@ def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
         store, rank, world = next(rendezvous("env://", timeout=startup))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             store = PrefixStore(f"pipeengine/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        # the fault channel from before the group exists: a rank stopped or dead before or during the group's
+        # creation or set-up is reported after --timeout (faults.py, start-up), not after the group's own timeout.
+        # A connection of its own (clone): Gloo's connect holds the group's store connection in a wait (up to
+        # --collective-timeout) while a peer is missing, and every other call on that connection waits behind it.
+        early = Watch(store.clone(), rank, world, starting="start-up: creating the process group")
+        early.timeout = startup.total_seconds()
     else:
         store, rank, world = dist.HashStore(), 0, 1   # type: ignore[attr-defined]
     if backend == "nccl":
@@ -59,6 +66,8 @@ def init_distributed(cfg: Config) -> tuple[torch.device, bool]:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.faults.collective_timeout),
                             device_id=device if want_cuda else None)
-    if launched:
-        watch().watch_parent()   # a launcher killed with -9 must not leave its workers training
+    if early is not None:
+        early.adopt()
+        early.doing = "set-up"
+        early.watch_parent()   # a launcher killed with -9 must not leave its workers training
     return device, True

@@ -103,7 +103,10 @@ class Trainer:
             return topo
 
         # one rank's bad input (a local path) is every rank's error; an elastic re-plan is every rank's (the least
-        # memory a rank has); then every setting and the data compared
+        # memory a rank has); then every setting and the data compared. Until the end, a rank stopped or dead is
+        # reported after --timeout by the watch's start-up look (faults.py), wherever the others wait for it.
+        w = watch()
+        w.doing = "set-up: loading the model"
         self.model = on_every_rank(load)
         capacity = min(gathered(rank_memory(self.device), None))
         self.topo = on_every_rank(check)
@@ -123,8 +126,11 @@ class Trainer:
         if point is not None and point.batch is not None:   # the checkpoint's global batch, kept
             cfg.set_batch(point.batch)
         self.batch = self.feed.batch = cfg.batch
+        w.doing = "set-up: building the engine"
         self.engine = self._engine(point)
+        w.doing = "set-up: resuming" if point is not None else "set-up"
         start, examples, self.world_change = resume(cfg, self.engine, point)   # (at another size: world_change)
+        w.started()
         self.state = RunState(start=start)
         self.feed.start = (start, examples)   # the data position (examples consumed) at the first step
         self.warm = max(1, min(5, cfg.optimizer.steps // 20))   # steps left out of the timing figures
@@ -256,6 +262,13 @@ class Trainer:
             if self.rank == 0:
                 log.error(f"error: {exc}")
             raise self._exit(2) from None
+        except RuntimeError:   # a set-up collective broken by a rank that ended over a start-up report (faults.py)
+            explained = watch()._failure_text(wait=2.0) if self.world > 1 else None
+            if explained is None:
+                raise
+            if self.rank == 0:
+                watch().print_once(explained)   # once per job: printed already when it is the report
+            raise self._exit(watch().exit_status) from None
         self._open_logs()
         cfg = self.cfg
         self.is_tty = sys.stdout.isatty() and not cfg.logging.quiet

@@ -441,3 +441,43 @@ def test_an_internal_error_names_where_in_the_engine_it_happened() -> None:
         r"error: rank [01] \(position [01], replica 0, step 0\) failed in the end-of-step gradient sync \(in "
         r"runtime/update\.py:\d+, finish\): IndexError: tensors used as indices must be long, int, byte or bool "
         r"tensors", said[0]), said[0]
+
+
+def test_a_rank_silent_in_start_up_is_reported_and_a_slow_one_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the process group exists and through set-up, a peer that stopped counting alive (SIGSTOP, dead) is
+    reported after ``timeout`` by the rank that looks at it, from the watcher thread (the main thread may be blocked
+    in the group's creation for --collective-timeout); a peer that is merely slow keeps counting and is not."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pipeengine.runtime.faults import Watch
+    stops: list[tuple[int, str]] = []
+    stopped = threading.Event()
+    monkeypatch.setattr(Watch, "_stop_process", lambda self, text: (stops.append((self.rank, text)), stopped.set()))
+    alone = Watch(dist.HashStore(), 0, 2, starting="start-up: creating the process group")   # rank 1 never came
+    alone.timeout = 0.5
+    try:
+        assert stopped.wait(15)
+    finally:
+        alone.started()
+    rank, text = stops[0]
+    assert rank == 0 and text.splitlines() == [
+        "pipeengine: wait-for report (a wait exceeded 0.5 s; 1 of 2 ranks answered)",
+        text.splitlines()[1], "  rank 1: said nothing: stopped, dead or stuck outside the engine",
+        "  likely culprit: rank 1 (said nothing)"], text
+    assert text.splitlines()[1].startswith("  rank 0: waits ") and \
+        text.splitlines()[1].endswith(" s in start-up: creating the process group for rank(s) 1"), text
+    stops.clear()
+    store = dist.HashStore()
+    pair = [Watch(store, r, 2, starting="set-up: loading the model") for r in (0, 1)]
+    for w in pair:
+        w.timeout = 1.0
+    try:
+        time.sleep(2.5)                         # both count alive: neither is reported, however long set-up takes
+        pair[1].started()                       # rank 1 done with set-up (its count stops): no longer looked at
+        time.sleep(2.0)
+        assert stops == []
+    finally:
+        for w in pair:
+            w.started()
