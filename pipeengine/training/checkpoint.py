@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..runtime.agree import on_every_rank, raise_if_any
 from ..runtime.logs import log
@@ -37,10 +36,17 @@ if TYPE_CHECKING:
     from ..runtime.engine import PipelineEngine
 
 __all__ = ["CheckpointError", "save", "AsyncSaver", "load", "latest", "resolve", "manifest", "complete_checkpoints",
-           "metadata", "read_failure"]
+           "metadata", "read_failure", "dcp_failures"]
 
 MANIFEST = "manifest.json"
 PREFIX, TMP, OLD = "step-", ".tmp-step-", ".old-step-"
+
+
+def dcp_failures() -> tuple[type[BaseException], ...]:
+    """What a DCP call may raise: any error, and its CheckpointException (a BaseException), every rank's failures
+    gathered. Imported when needed: torch.distributed.checkpoint takes half a second to import (a rank's start)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
 
 
 class CheckpointError(ValueError):
@@ -154,7 +160,7 @@ def save(engine: PipelineEngine, directory: str, step: int | None = None, *, kee
     state = _local(tmp, lambda: _state(engine, step))
     try:
         dcp_save(state, checkpoint_id=tmp)
-    except (Exception, CheckpointException) as exc:   # DCP raises every rank's write errors on all ranks
+    except dcp_failures() as exc:   # DCP raises every rank's write errors on all ranks
         raise CheckpointError(_failed(tmp, exc)) from None
     _publish(engine, tmp, final, _manifest(engine, step, extra), keep, checksums(state))
     return final
@@ -163,7 +169,7 @@ def save(engine: PipelineEngine, directory: str, step: int | None = None, *, kee
 def _local(tmp: str, work: Any) -> Any:
     """``work()`` on every rank, a failure on one (host memory for the copy) raised on all before any
     rank enters DCP's collectives, where the others would wait for it."""
-    return on_every_rank(work, catch=(Exception, CheckpointException), raise_as=CheckpointError,
+    return on_every_rank(work, catch=dcp_failures(), raise_as=CheckpointError,
                          describe=lambda exc: _failed(tmp, exc))
 
 
@@ -216,7 +222,7 @@ class AsyncSaver:
             return None
         future, engine, tmp, final, info, keep, sums = self._pending
         self._pending = None
-        on_every_rank(future.result, catch=(Exception, CheckpointException), raise_as=CheckpointError,
+        on_every_rank(future.result, catch=dcp_failures(), raise_as=CheckpointError,
                       describe=lambda exc: _failed(tmp, exc))
         _publish(engine, tmp, final, info, keep, sums)
         return final
@@ -335,7 +341,7 @@ def load(engine: PipelineEngine, path: str) -> dict[str, Any]:
     raise_if_any(_check(sd, md, path), CheckpointError)
     try:
         dcp_load(sd, checkpoint_id=path)
-    except (Exception, CheckpointException) as exc:  # DCP gathers every rank's read errors, raises them on all
+    except dcp_failures() as exc:  # DCP gathers every rank's read errors, raises them on all
         raise CheckpointError(f"checkpoint {path!r} could not be read: {read_failure(exc)}") from None
     as_saved = {k: v for k, v in sd.items()   # read in the dtype it was written in: comparable with its checksum
                 if isinstance(v, torch.Tensor) and (saved.get(k) or (0, None))[1] == v.dtype}

@@ -17,9 +17,8 @@ import warnings
 from typing import Sequence
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
-from .checkpoint import CheckpointError, manifest, metadata, read_failure, resolve
+from .checkpoint import CheckpointError, dcp_failures, manifest, metadata, read_failure, resolve
 from .checksums import changed_tensor, layout_error
 
 __all__ = ["export", "describe", "main"]
@@ -40,7 +39,7 @@ def export(path: str, out: str) -> int:
         with warnings.catch_warnings():   # "loading in a single process": exactly the intent here
             warnings.simplefilter("ignore")
             dcp_load(sd, checkpoint_id=path, no_dist=True)
-    except (Exception, CheckpointException) as exc:
+    except dcp_failures() as exc:
         raise CheckpointError(f"checkpoint {path!r} could not be read: {read_failure(exc)}") from None
     why = changed_tensor(sd, info.get("checksums"), path)
     if why:

@@ -10,7 +10,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.data import default_collate
-from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["peak_memory", "rank_memory", "memory_text", "flops_per_example", "peak_tflops", "PEAK_TFLOPS",
            "process_age", "slow_bf16_hint"]
@@ -66,6 +65,7 @@ def flops_per_example(factories: Sequence[Callable[[], torch.nn.Module]], inputs
     a report, never a reason to stop)."""
     x = _meta(default_collate([inputs, inputs]))   # two: a batch of one is refused by BatchNorm in training
     try:
+        from torch.utils.flop_counter import FlopCounterMode   # (it imports triton: not at a rank's start)
         with torch.random.fork_rng(devices=[]), torch.device("meta"), FlopCounterMode(display=False) as counter:
             for make in factories:
                 x = make()(x)
