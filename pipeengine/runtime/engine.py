@@ -27,6 +27,7 @@ from .microbatches import read_microbatches
 from .numerics import NonFiniteError
 from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
 from .plan import Plan, make_plan
+from .release import opened, release
 from .results import StepResult, StepState
 from .rng import generator_of, kept, microbatch_key, step_key
 from .stage import LayerChain, Stage, cast_cache_scope
@@ -132,6 +133,8 @@ class PipelineEngine:
         self._step_times: list[float] = []
         self._steps_run = 0       # steps run by this engine object (the first is start-up)
         self._state = EngineState(self)
+        self.closed = False
+        opened(self)
 
     # ------------------------------------------------------------------ setup
 
@@ -181,6 +184,23 @@ class PipelineEngine:
         return self.topology.rank(position, self.replica)
 
     # ------------------------------------------------------------------ public API
+
+    def close(self) -> None:
+        """Let go of torch.distributed (release.py): the fault watcher stopped (unless another open engine shares
+        it) and this engine's references to process groups dropped, so that ``dist.destroy_process_group()`` frees
+        them while Python still runs. No step runs afterwards; later calls do nothing. ``with PipelineEngine(...)
+        as engine:`` calls it, and so does an atexit hook for engines still open at exit."""
+        release(self)
+
+    def __enter__(self) -> PipelineEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this PipelineEngine was closed (close() or the end of its with block)")
 
     @property
     def bounds(self) -> list[int]:
@@ -233,6 +253,7 @@ class PipelineEngine:
         stage read it (inputs on the first, targets on the last), others may pass None. An exception
         on any rank ends the step on every rank (faults.py); see [Note: the end of a step].
         """
+        self._check_open()
         try:
             result = self._train_batch(data_iter)
         except BaseException as exc:
@@ -250,6 +271,7 @@ class PipelineEngine:
 
         With ``return_outputs`` the last stage's rank gets the model outputs per microbatch.
         """
+        self._check_open()
         for st in self.stages:
             st.module.eval()
         try:

@@ -36,12 +36,14 @@ likely blocked in a set-up collective too, end ``kill_after`` seconds after they
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -82,7 +84,8 @@ class Watch(FaultChannel):
         self._events = 0
         self._store_errors = 0
         self._ppid: int | None = None
-        self._group = dist.group.WORLD     # None before the process group exists (``starting``): see adopt()
+        self._group = _ref(dist.group.WORLD)   # None before the process group exists (``starting``): see adopt()
+        self._stop = threading.Event()     # close()
         self._starting = bool(starting) and world > 1
         self._peer = (rank + 1) % world                  # the rank this one looks at in start-up
         self._peer_seen = (0, time.monotonic())          # its alive count, and since when
@@ -93,13 +96,27 @@ class Watch(FaultChannel):
             pass
         self._thread = threading.Thread(target=self._run, name="pipeengine-watch", daemon=True)
         self._thread.start()
+        _ALL.add(self)
 
     # ------------------------------------------------------------------ main thread
 
+    def close(self) -> None:
+        """Stop the watcher thread and wait for it (it ends by itself within ``POLL`` once the group is destroyed).
+        At interpreter exit a thread still inside a store call aborts the process: Python 3.11 ends it with
+        ``pthread_exit`` as it takes the GIL back, which unwinds a C++ frame that may not throw ("terminate called
+        without an active exception"). Later calls do nothing; PipelineEngine.close and an atexit hook call it."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)   # a store call returns at once, or fails once the store is gone
+
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
     def adopt(self) -> None:
         """The process group now exists: this watch (made before it) is its watch (:func:`watch`)."""
-        self._group = dist.group.WORLD
-        _WATCHES[id(self._group)] = self
+        self._group = _ref(dist.group.WORLD)
+        _WATCHES[id(dist.group.WORLD)] = self
 
     def started(self) -> None:
         """Set-up is done: silent peers are the engine's waits' business from here on (see the module note)."""
@@ -182,11 +199,10 @@ class Watch(FaultChannel):
     # ------------------------------------------------------------------ the watcher thread
 
     def _run(self) -> None:
-        while True:
-            time.sleep(POLL)
+        while not self._stop.wait(POLL):
             if self._group is None and not self._starting:
                 return   # no process group, and not the trainer's start-up
-            if self._group is not None and (not dist.is_initialized() or dist.group.WORLD is not self._group):
+            if self._group is not None and (not dist.is_initialized() or dist.group.WORLD is not self._group()):
                 return   # the process group this watch belongs to is gone
             if self._ppid is not None and os.getppid() != self._ppid:
                 self._stop_process(f"rank {self.rank}: the launcher (pid {self._ppid}) died; stopping this worker")
@@ -260,13 +276,27 @@ def _cuda_event() -> Any:
 
 
 _WATCHES: dict[int, Watch] = {}
+_ALL: weakref.WeakSet[Watch] = weakref.WeakSet()
+
+
+def _ref(group: Any) -> Any:
+    """A weak reference to ``group`` (None for None): a watch must not keep a destroyed process group, and its
+    Gloo threads, alive until the interpreter finalizes (see PipelineEngine.close)."""
+    return None if group is None else weakref.ref(group)
+
+
+@atexit.register
+def _close_all() -> None:
+    """Before the interpreter finalizes (atexit hooks run first): no watcher thread is inside a store call then."""
+    for w in list(_ALL):
+        w.close()
 
 
 def watch() -> Watch:
     """The :class:`Watch` of the current default process group (created on first use)."""
     group = dist.group.WORLD
     w = _WATCHES.get(id(group))
-    if w is None or w._group is not group:
+    if w is None or w.closed or w._group is None or w._group() is not group:
         store = dist.distributed_c10d._get_default_store()   # the group's own store (no public accessor)
         w = _WATCHES[id(group)] = Watch(store, dist.get_rank(), dist.get_world_size())
     return w
