@@ -102,6 +102,10 @@ def _shrink_run(rank: int, world: int, flags: list[str], run_id: str | None) -> 
             "micro": s["config"]["data"]["micro_batch_size"], "m": s["config"]["schedule"]["microbatches"]}
 
 
+def _runs(rank: int, world: int, runs: list[tuple[list[str], str | None]]) -> list[dict[str, Any]]:
+    return [_shrink_run(rank, world, flags, run_id) for flags, run_id in runs]   # (one start of 3 processes)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_group_shrunk_from_4_to_3_ranks_goes_on_with_the_same_global_batch(tmp_path: Path, world4: Any) -> None:
@@ -114,10 +118,10 @@ def test_a_group_shrunk_from_4_to_3_ranks_goes_on_with_the_same_global_batch(tmp
     straight = world4.run(_shrink_run, [*common, "--save-interval", "3", "--run-name", "straight"], "job")[0]
     # the survivors' save folder holds the checkpoint of step 3 (the pool's rank 0 still holds the first one's lock)
     shutil.copytree(os.path.join(saves, "step-00000003"), tmp_path / "survivors" / "step-00000003")
-    shrunk = run_distributed(_shrink_run, 3, ["--log-dir", str(tmp_path), "--save-dir", str(tmp_path / "survivors"),
-                                              "--run-name", "shrunk", "--save-interval", "3"], "job", timeout=200)[0]
-    fresh = run_distributed(_shrink_run, 3, [*common, "--run-name", "fresh", "--resume",
-                                             os.path.join(saves, "step-00000003")], None, timeout=200)[0]
+    shrunk, fresh = run_distributed(_runs, 3, [
+        (["--log-dir", str(tmp_path), "--save-dir", str(tmp_path / "survivors"), "--run-name", "shrunk",
+          "--save-interval", "3"], "job"),
+        ([*common, "--run-name", "fresh", "--resume", os.path.join(saves, "step-00000003")], None)], timeout=200)[0]
     assert straight["micro"] == 2 and straight["m"] == 4
     assert shrunk["first_step"] == 3 and shrunk["micro"] == 2 and shrunk["m"] == 6, shrunk
     assert "restart: the group changed size: resuming from" in shrunk["err"]

@@ -33,7 +33,7 @@ from tests.training.test_checkpoint import _worker_pid
 
 FLAGS = ["--model", "mlp", "--log-interval", "1", "--eval-interval", "0", "--timeline-interval", "0",
          "--partition", "uniform", "--keep", "0", "--pp", "2", "--save-interval", "4"]
-STEPS = 32   # kills after the checkpoints of steps 8 and 20 (saved every 4), then 12 steps at world 2
+STEPS = 28   # kills after the checkpoints of steps 8 and 20 (saved every 4), then 8 steps at world 2
 Kill = tuple[str, Callable[[subprocess.Popen[str]], None]]   # (when node 0 prints this, do this to node 1)
 
 
@@ -48,7 +48,7 @@ def _two_nodes(tmp: Path, nnodes: str, steps: int,
     for node in (0, 1):
         env = dict(os.environ, PYTHONPATH=str(ROOT), LOG_RANK="0", NNODES=nnodes, NODE_RANK=str(node),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_TIMEOUT="60", RDZV_ID=f"test-{port}",
-                   LAST_CALL="1", RDZV_CONF="keep_alive_interval=1,heartbeat_timeout=5")   # a lost node, noticed fast
+                   LAST_CALL="1", RDZV_CONF="keep_alive_interval=1,heartbeat_timeout=3")   # a lost node, noticed fast
         procs.append(subprocess.Popen(["bash", str(ROOT / "launch" / "pipe.sh"), "2", "cpus", *flags], cwd=tmp,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
