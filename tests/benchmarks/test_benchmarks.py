@@ -1,4 +1,8 @@
-"""Smoke tests of the benchmark scripts, run as modules from the repository root (``python -m benchmarks.X``)."""
+"""Smoke tests of the benchmark scripts, run as modules from the repository root (``python -m benchmarks.X``).
+
+The scripts start together, on the first test's demand, and each test waits for its own: their start-ups (each
+imports torch in its processes) overlap. None of the assertions is a timing (a benchmark's figures are its own).
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,55 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
 from tests.harness import ROOT
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+SCRIPTS = {
+    "efficiency": [*TORCHRUN, "-m", "benchmarks.efficiency", "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
+                   "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out",
+                   "{out}", "--engines", "ours", "torch", "torch-train"],
+    "efficiency-real": [*TORCHRUN, "-m", "benchmarks.efficiency", "--real", "--hidden", "64", "--depth", "4",
+                        "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", "{out}"],
+    "overhead": [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"],
+    "memory": [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "4", "12",
+               "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", "{out}"],
+    "real": [*TORCHRUN, "-m", "benchmarks.real", "--model", "mlp", "--preset", "tiny", "-m", "4",
+             "--micro-batch-size", "4", "--rounds", "2", "--out", "{out}"],
+}
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen[str], Path]]]:
+    """Every benchmark script started at once (name -> (process, its --out file))."""
+    started = {}
+    for name, cmd in SCRIPTS.items():
+        out = tmp_path_factory.mktemp(name) / "out.jsonl"
+        started[name] = (subprocess.Popen([a.replace("{out}", str(out)) for a in cmd], cwd=ROOT,
+                                          env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True), out)
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def finished(scripts: dict[str, tuple[subprocess.Popen[str], Path]], name: str
+             ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Script ``name``'s outcome, once it ended (as subprocess.run gives it) and its --out file."""
+    proc, out = scripts[name]
+    stdout, stderr = proc.communicate(timeout=220)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_efficiency_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "r.jsonl"
-    cmd = [*TORCHRUN, "-m", "benchmarks.efficiency", "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
-           "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out", str(out),
-           "--engines", "ours", "torch", "torch-train"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=220)
+def test_efficiency_smoke(scripts: Any) -> None:
+    proc, out = finished(scripts, "efficiency")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["schedule"], r["pp"], r["microbatches"]) for r in rows] == [("1f1b", 2, 4), ("zb-h1", 2, 4)]
@@ -58,12 +94,8 @@ def test_overhead_analysis_of_records() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_efficiency_real_mode_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "real.jsonl"
-    cmd = [*TORCHRUN, "-m", "benchmarks.efficiency", "--real", "--hidden", "64", "--depth", "4",
-           "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=220)
+def test_efficiency_real_mode_smoke(scripts: Any) -> None:
+    proc, out = finished(scripts, "efficiency-real")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["mode"] == "real" and row["microbatches"] == 4
@@ -76,10 +108,8 @@ def test_efficiency_real_mode_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_overhead_script_smoke() -> None:
-    cmd = [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=220)
+def test_overhead_script_smoke(scripts: Any) -> None:
+    proc, _ = finished(scripts, "overhead")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in ("batch_isend_irecv", "dist.isend", "group.send", "part 2: our engine, 1f1b, pp=2, m=4",
                  "rank 1: B ", "hop latency, ", "Python before a batch's first op reaches Gloo"):
@@ -88,12 +118,9 @@ def test_overhead_script_smoke() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_memory_smoke(tmp_path: Path) -> None:
+def test_memory_smoke(scripts: Any) -> None:
     """benchmarks.memory measures both engines in fresh processes: ours flat in m, torch's buffers held."""
-    out = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "4", "12",
-           "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    proc, out = finished(scripts, "memory")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["schedule"], r["pp"], r["m"]) for r in rows] == [("1f1b", 2, 4), ("1f1b", 2, 12)]
@@ -105,13 +132,9 @@ def test_memory_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_real_models_smoke(tmp_path: Path) -> None:
+def test_real_models_smoke(scripts: Any) -> None:
     """benchmarks.real on the tiny MLP: every variant timed, ratios paired per round, the table printed."""
-    out = tmp_path / "real.jsonl"
-    cmd = [*TORCHRUN, "-m", "benchmarks.real", "--model", "mlp", "--preset", "tiny", "-m", "4",
-           "--micro-batch-size", "4", "--rounds", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=220)
+    proc, out = finished(scripts, "real")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     variants = {"ours profile 1f1b", "ours profile zb-h1", "ours profile zbv", "ours profile dualpipev",
