@@ -6,6 +6,7 @@ deadline (a deadlock fails the test, it never hangs the suite) and return the ra
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import signal
@@ -21,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pipeengine.runtime import release
 
 __all__ = ["free_port", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job", "pipe_sh_command",
            "start_pipe_sh_job", "python_cli", "on_a_terminal", "ROOT"]
@@ -144,8 +147,22 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, pg_t
         if task is None:
             break
         fn, args = task
-        results.put((rank, *_call(rank, world_size, fn, args)))
+        outcome = _call(rank, world_size, fn, args)
+        _tidy()
+        results.put((rank, *outcome))
     os._exit(0)   # no teardown of the group: the peers are leaving too, and Gloo's would wait for them
+
+
+def _tidy() -> None:
+    """What a task left behind in a pool's rank: its open engines closed (which destroys their groups), any other
+    group it made destroyed, so that the rank's Gloo threads do not pile up over the session (two per group and
+    peer, each waking now and then: hundreds of groups slowed every later test)."""
+    for engine in list(release._OPEN):
+        release.release(engine)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()
 
 
 class WorldPool:
