@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.harness import (ROOT, WorldPool, free_port, on_a_terminal, pipe_sh, pipe_sh_command, pipe_sh_job,
-                           start_pipe_sh_job)
+                           process_tree, start_pipe_sh_job)
 
 
 def launch(tmp_path: Path, n: int, *flags: str, timeout: float = 240) -> dict[str, Any]:
@@ -377,18 +377,9 @@ def test_a_node_that_never_comes_and_a_killed_output_filter_are_said(tmp_path: P
 
 
 def _descendants(root: int) -> list[int]:
+    """The processes below ``root`` once it has started some (pipe.sh, then torchrun and the filter)."""
     for _ in range(100):
-        parents = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-        found, grew = {root}, True
-        while grew:
-            more = {p for p, pp in parents.items() if pp in found} - found
-            found |= more
-            grew = bool(more)
+        found = process_tree(root)
         if len(found) > 2:
             return sorted(found - {root})
         time.sleep(0.05)

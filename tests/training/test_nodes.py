@@ -28,7 +28,7 @@ import torch
 from pipeengine.training.cli import parse_args
 from pipeengine.training.export import export
 from pipeengine.training.trainer import run
-from tests.harness import ROOT, WorldPool, free_port
+from tests.harness import ROOT, WorldPool, free_port, process_tree
 from tests.training.test_checkpoint import _worker_pid
 
 FLAGS = ["--model", "mlp", "--log-interval", "1", "--eval-interval", "0", "--timeline-interval", "0",
@@ -87,17 +87,7 @@ def _kill_a_worker(launcher: subprocess.Popen[str]) -> None:
 
 def _the_node_dies(launcher: subprocess.Popen[str]) -> None:
     """Every process of the launcher's node at once, with SIGKILL (launcher, torchrun, workers): a node gone."""
-    parents: dict[int, int] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    node, grew = {launcher.pid}, True
-    while grew:
-        more = {pid for pid, ppid in parents.items() if ppid in node} - node
-        node |= more
-        grew = bool(more)
+    node = process_tree(launcher.pid)
     for pid in node:
         try:
             os.kill(pid, signal.SIGKILL)
