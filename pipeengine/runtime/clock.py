@@ -46,22 +46,25 @@ class ActionClock:
 
     ``mark()`` returns a time stamp (a float, or a recorded event); ``add()`` files a record with two
     stamps; ``records()`` turns them into :class:`ActionRecord` in seconds since ``start()``
-    (on CUDA it waits, through ``poll``, for each event to have happened).
+    (on CUDA it waits, through ``poll``, for the last event marked: the ones before it happened before it).
     """
 
     def __init__(self, rank: int, device: torch.device,
-                 poll: Callable[[Callable[[], bool]], None] | None = None) -> None:
+                 poll: Callable[[Any], None] | None = None) -> None:
         self.rank = rank
         self.cuda = device.type == "cuda"
         # how to wait for an event (a watched poll: a device that never gets there is a hang, reported)
-        self._poll = poll or (lambda done: None)
+        self._poll = poll or (lambda event: None)
         self._t0: Any = None
+        self._last: Any = None   # the last event marked (CUDA)
+        self._settled = False    # the device got past every stamp marked so far (records() waited for it)
         self._pending: list[tuple[int, Phase, int, Any, Any]] = []
 
     def mark(self) -> Any:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             ev.record()
+            self._last, self._settled = ev, False
             return ev
         return time.perf_counter()
 
@@ -75,12 +78,19 @@ class ActionClock:
     def elapsed(self, stamp: Any) -> float:
         """Seconds from ``start()`` to ``stamp``."""
         if self.cuda:
-            self._poll(stamp.query)
+            if not self._settled:
+                self._poll(stamp)
             return float(self._t0.elapsed_time(stamp)) / 1000.0
         return float(stamp - self._t0)
 
     def records(self) -> list[ActionRecord]:
-        return [ActionRecord(self.rank, stage, kind, mb, self.elapsed(s), self.elapsed(e))
+        if not self.cuda:
+            return [ActionRecord(self.rank, stage, kind, mb, s - self._t0, e - self._t0)
+                    for stage, kind, mb, s, e in self._pending]
+        self._poll(self._last)   # one wait: every stamp was recorded before it, on the same stream
+        self._settled = True
+        ms = self._t0.elapsed_time
+        return [ActionRecord(self.rank, stage, kind, mb, ms(s) / 1000.0, ms(e) / 1000.0)
                 for stage, kind, mb, s, e in self._pending]
 
 

@@ -128,7 +128,7 @@ class PipelineEngine:
         if self.zero is not None:
             self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
         self._take_program(wire, eval_schedule)
-        self.clock = ActionClock(self.rank, self.device, lambda done: self.watch.poll(done, "timing the step", []))
+        self.clock = ActionClock(self.rank, self.device, lambda event: self.watch.poll(event, "timing the step", []))
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self._step_times: list[float] = []
         self._steps_run = 0       # steps run by this engine object (the first is start-up)
@@ -293,6 +293,7 @@ class PipelineEngine:
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
         self.update.finish(result, buffers)
         result.records = self.clock.records()
+        result.grad_sync_wait = self.update.sync_wait()
         result.step_time = max(r.end for r in result.records)
         self.step_count += 1
         return result

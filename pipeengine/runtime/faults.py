@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import queue
 import socket
 import sys
 import threading
@@ -57,6 +58,8 @@ __all__ = ["EXPLAINED", "SHOW_LIMIT", "PeerFailed", "WaitTimeout", "Watch", "wat
 
 POLL = 0.5               # seconds between the watcher's looks at the store
 STARTED = 1 << 40        # added to alive/<rank> when a rank's set-up is done: its start-up peer stops looking
+SPIN = 50e-6             # seconds a device wait spins on the event's query before blocking (Watch.poll)
+CHECK = 0.02             # seconds between a blocked device wait's looks at a peer's failure and its deadline
 SHOW_LIMIT = 10.0        # seconds a rank stopping over a failure waits for rank 0 to have printed it
 
 
@@ -90,6 +93,8 @@ class Watch(FaultChannel):
         self._peer = (rank + 1) % world                  # the rank this one looks at in start-up
         self._peer_seen = (0, time.monotonic())          # its alive count, and since when
         self.event_factory: Callable[[], Any] = _cuda_event   # what host_values records (a test's fake here)
+        self.device_reads = 0                            # host reads of device values (host_values, poll)
+        self._waiter_thread: _Waiter | None = None       # blocks on a device event for poll (made on first use)
         try:   # where this rank runs: a silent rank in a report can then be inspected (py-spy, gdb)
             store.set(f"{PREFIX}where/{rank}", f"pid {os.getpid()} on {socket.gethostname()}")
         except Exception:
@@ -164,37 +169,51 @@ class Watch(FaultChannel):
         line = self._line("waits", what, peers, waited)
         raise error(f"{describe_line(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
 
-    def poll(self, done: Callable[[], bool], what: Any, peers: Sequence[int],
-             error: type[WaitTimeout] = WaitTimeout) -> None:
-        """Wait until ``done()`` (a CUDA event's or an NCCL work's completion query) without blocking the
-        host: a peer's failure raises :class:`PeerFailed` within milliseconds, and ``timeout`` seconds
-        without completion raise ``error`` with the wait-for report, as a Gloo wait does."""
-        if done():
+    def poll(self, event: Any, what: Any, peers: Sequence[int], error: type[WaitTimeout] = WaitTimeout) -> None:
+        """Wait until ``event`` (a CUDA event: ``query()`` and a blocking ``synchronize()``) has happened, without
+        blocking the host for good: a peer's failure raises :class:`PeerFailed` within ``CHECK`` seconds, and
+        ``timeout`` seconds without completion raise ``error`` with the wait-for report, as a Gloo wait does.
+
+        It never sleeps on a guess: it spins for ``SPIN`` seconds (most device reads at the end of a step are
+        a few microseconds away), then hands ``synchronize()`` to this watch's waiter thread and blocks on its
+        completion, which wakes it as soon as the device got there (``benchmarks.lateness`` measures it)."""
+        self.device_reads += 1
+        if event.query():
             return
         since = time.monotonic()
+        while time.monotonic() - since < SPIN:
+            if event.query():
+                return
         self._waiting = {"what": what, "peers": list(peers), "since": since}
         try:
-            pause = 1e-4
-            while not done():
+            done = self._waiter().submit(event.synchronize)
+            while not done.wait(CHECK):
                 if self.peer_failure:
                     raise PeerFailed(self.peer_failure)
                 waited = time.monotonic() - since
                 if waited > self.timeout:
                     line = self._line("waits", what, peers, waited)
                     raise error(f"{describe_line(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
-                time.sleep(pause)
-                pause = min(2 * pause, 0.01)
+            done.result()   # the device's own error, if synchronize raised one
         finally:
             self._waiting = None
 
     def host_values(self, t: Any, what: Any, peers: Sequence[int], error: type[WaitTimeout] = WaitTimeout) -> Any:
-        """``t.tolist()``: on CUDA only once the device got there (polled, see :meth:`poll`), so a hang in the
-        work queued before it is reported instead of blocking the host for good."""
+        """``t.tolist()``: on CUDA only once the device got there (see :meth:`poll`), so a hang in the work queued
+        before it is reported instead of blocking the host for good. The runtime's only way to read what the
+        device computed: ``device_reads`` counts them (a step makes a fixed number, whatever its size)."""
         if t.device.type == "cuda":
             event = self.event_factory()
             event.record()
-            self.poll(event.query, what, peers, error)
+            self.poll(event, what, peers, error)
+        else:
+            self.device_reads += 1
         return t.tolist()
+
+    def _waiter(self) -> _Waiter:
+        if self._waiter_thread is None:
+            self._waiter_thread = _Waiter()
+        return self._waiter_thread
 
     # ------------------------------------------------------------------ the watcher thread
 
@@ -268,6 +287,48 @@ class Watch(FaultChannel):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(self.exit_status)
+
+
+class _Done:
+    """The completion of a job given to a :class:`_Waiter`: wait for it, then take its error if it raised."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, seconds: float) -> bool:
+        return self._flag.wait(seconds)
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def result(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Waiter:
+    """A daemon thread that runs blocking device waits (``event.synchronize``) one after another, so the main thread
+    blocks on a :class:`_Done` it can leave on a deadline or a peer's failure. A device that never gets there keeps
+    this thread for good; the main thread reports the hang and the process ends."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], _Done]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="pipeengine-device-wait", daemon=True).start()
+
+    def submit(self, block: Callable[[], Any]) -> _Done:
+        done = _Done()
+        self._jobs.put((block, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            block, done = self._jobs.get()
+            try:
+                block()
+            except BaseException as exc:
+                done.error = exc
+            done.set()
 
 
 def _cuda_event() -> Any:

@@ -52,6 +52,7 @@ class Update:
             whole=frozenset(id(p) for mine, _, _ in e.ties.copies for p in mine))
         self.loss_scale = LossScale(e.precision == "fp16")
         self.skipped_steps = 0
+        self._sync_stamps: tuple[Any, Any] = (0.0, 0.0)   # the clock's stamps around the gradient sync (sync_wait)
         self.zero: ShardedOptimizer | None = None   # ZeRO-1 (zero.py)
         self.gather_in_background = e.device.type == "cuda"   # ZeRO-1: see [Note: sharded optimizer state]
         self.stepped: Sequence[torch.nn.Parameter] = e.parameters   # what clipping scales (shards under ZeRO-1)
@@ -103,7 +104,12 @@ class Update:
             broadcast_buffers(e.local.buffers, e.topology.rank(e.position, 0), e.groups.dp_group,
                               lambda w: self._wait(w, "the buffer broadcast", self.consensus.dp_peers))
         e.clock.add(e.stages[0].index, Phase.SYNC, -1, sync_start, e.clock.mark())
-        result.grad_sync_wait = e.clock.elapsed(synced) - e.clock.elapsed(sync_start)
+        self._sync_stamps = (sync_start, synced)   # read after the step's records (no wait for the device here)
+
+    def sync_wait(self) -> float:
+        """Seconds the step waited for its data-parallel gradient sync; after the clock's records (clock.py)."""
+        start, synced = self._sync_stamps
+        return float(self.engine.clock.elapsed(synced) - self.engine.clock.elapsed(start))
 
     def _decide(self, result: StepResult) -> None:
         """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""

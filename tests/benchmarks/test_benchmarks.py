@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import ROOT, process_tree
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 SCRIPTS = {
@@ -27,6 +28,7 @@ SCRIPTS = {
     "overhead": [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"],
     "memory": [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "4", "12",
                "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", "{out}"],
+    "lateness": [sys.executable, "-m", "benchmarks.lateness", "--reps", "5", "--waits", "0.1", "1"],
     "real": [*TORCHRUN, "-m", "benchmarks.real", "--model", "mlp", "--preset", "tiny", "-m", "4",
              "--micro-batch-size", "4", "--rounds", "2", "--out", "{out}"],
 }
@@ -42,9 +44,13 @@ def scripts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tupl
                                           env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True), out)
     yield started
-    for proc, _ in started.values():
-        if proc.poll() is None:
-            proc.kill()
+    for proc, _ in started.values():   # those no test waited for (-k): with their workers, whose output pipes
+        if proc.poll() is None:          # would keep communicate() waiting
+            for pid in process_tree(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.communicate()
 
 
@@ -114,6 +120,16 @@ def test_overhead_script_smoke(scripts: Any) -> None:
     for line in ("batch_isend_irecv", "dist.isend", "group.send", "part 2: our engine, 1f1b, pp=2, m=4",
                  "rank 1: B ", "hop latency, ", "Python before a batch's first op reaches Gloo"):
         assert line in proc.stdout, (line, proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_lateness_smoke(scripts: Any) -> None:
+    proc, _ = finished(scripts, "lateness")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| watch") or line.startswith("| sleep")]
+    assert len(rows) == 4 and "| 0.1 ms |" in rows[0] and "| 1 ms |" in rows[1], proc.stdout
+    assert "10 device reads counted" in proc.stdout, proc.stdout   # 2 distances x 5 waits, each one read
 
 
 @pytest.mark.slow

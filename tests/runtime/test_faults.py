@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,9 @@ class NeverDone:
     def query(self) -> bool:
         return False
 
+    def synchronize(self) -> None:
+        threading.Event().wait()   # blocks for good, as cudaEventSynchronize on a device that never gets there
+
 
 class DeviceTensor:
     """What the host would read from a CUDA tensor (only its device matters before the poll)."""
@@ -292,18 +296,16 @@ def test_a_device_read_that_never_completes_is_reported_like_a_gloo_wait() -> No
     assert text.startswith("rank 0: waits 0.5 s in recvH0<1 for rank(s) 1: no completion after 0.5 s"), text
     assert "rank 1: said nothing: stopped, dead or stuck outside the engine" in text
     with pytest.raises(WaitTimeout, match="waits .* s in the end-of-step all-reduce"):
-        _watch(0.3).poll(NeverDone().query, "the end-of-step all-reduce", [1])
+        _watch(0.3).poll(NeverDone(), "the end-of-step all-reduce", [1])
 
 
 def test_a_peer_failure_ends_a_device_wait_at_once() -> None:
-    import threading
-
     from pipeengine.runtime.faults import PeerFailed
     w = _watch(60)
     threading.Timer(0.2, lambda: setattr(w, "peer_failure", "error: rank 1 failed in F3: boom")).start()
     t0 = time.monotonic()
     with pytest.raises(PeerFailed, match="rank 1 failed in F3"):
-        w.poll(NeverDone().query, "the loss all-reduce", [1])
+        w.poll(NeverDone(), "the loss all-reduce", [1])
     assert time.monotonic() - t0 < 2
 
 
