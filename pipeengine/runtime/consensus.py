@@ -16,18 +16,20 @@ and watched (faults.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .device import constant
 from .faults import Watch
 from .numerics import SignalVector, StepSignals
 from .plan import Plan
 from .stage import Stage
 from .topology import ProcessGroups, Topology
 
-__all__ = ["Consensus"]
+__all__ = ["Consensus", "Decision"]
 
 Wait = Callable[[Any, str, Sequence[int]], None]
 
@@ -47,9 +49,10 @@ class Consensus:
         # parameters -> their squared gradient norms (ZeRO-1 sums them over the replicas' shards: zero.py)
         self.squares: Callable[[Sequence[torch.Tensor | None]], torch.Tensor] = lambda ps: _squares(ps, device)
 
-    def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None) -> StepSignals:
-        """Gradient norm, loss, non-finite flags and stop requests of the whole pipeline: one all-reduce over it
-        (``stop``: a signal this rank got)."""
+    def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None) -> Decision:
+        """Gradient norm, loss, non-finite flags and stop requests of the whole pipeline (one all-reduce over it),
+        the loss and stop requests summed over the replicas with every replica's origin (one all-reduce over
+        them), read by the host once (``stop``: a signal this rank got)."""
         vec = SignalVector(self.num_stages, sum(plan.param_counts), self.device)
         if stop is not None:
             vec.request_stop(stop)
@@ -66,32 +69,43 @@ class Consensus:
         if self.topology.pp > 1:
             self.wait(dist.all_reduce(vec.tensor, group=self.groups.pp_group, async_op=True),
                       "the end-of-step all-reduce", self.pp_peers)
-        return vec.decode(lambda t: self.watch.host_values(t, "the end-of-step all-reduce", self.pp_peers))
-
-    def over_replicas(self, replica_loss: float, stops: Sequence[float] = (),
-                      origin: float = 0.0) -> tuple[float, list[float], list[float]]:
-        """The step's loss and the stop requests, summed over the replicas, and every replica's ``origin`` (where it
-        went non-finite on its own: numerics.StepSignals.origin) by replica: one all-reduce."""
         if self.topology.dp == 1:
-            return replica_loss, list(stops), [origin]
-        replica = self.topology.replica_of(self.rank)
-        origins = [0.0] * self.topology.dp
-        origins[replica] = origin
-        value = torch.tensor([replica_loss, *stops, *origins], dtype=torch.float64, device=self.device)
+            signals = vec.decode(self.watch.host_values(vec.tensor, "the end-of-step all-reduce", self.pp_peers))
+            return Decision(signals, signals.loss, signals.stops, [signals.origin()])
+        replicas = self._over_replicas(vec.replica_part(self.topology.dp, self.topology.replica_of(self.rank)))
+        values = self.watch.host_values(torch.cat([vec.tensor, replicas]), "the loss all-reduce", self.dp_peers)
+        signals, summed = vec.decode(values[:len(vec.tensor)]), values[len(vec.tensor):]
+        stops = len(signals.stops)
+        return Decision(signals, summed[0], summed[1:1 + stops], summed[1 + stops:])
+
+    def _over_replicas(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the replicas, on the device (the host reads it with the rest)."""
         self.wait(dist.all_reduce(value, group=self.groups.dp_group, async_op=True), "the loss all-reduce",
                   self.dp_peers)
-        total, *summed = self.watch.host_values(value, "the loss all-reduce", self.dp_peers)
-        return total, summed[:len(stops)], summed[len(stops):]
+        return value
 
     def eval_loss(self, last: Stage) -> float:
-        """Mean loss of an eval step on every rank: summed on the last stage, shared, summed over DP."""
-        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        """Mean loss of an eval step on every rank: summed on the last stage, shared, summed over DP; one read."""
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
         if last.is_last:
             value += torch.stack(last.losses).double().sum()
         if self.topology.pp > 1:
             self.wait(dist.broadcast(value, src=self.last_rank, group=self.groups.pp_group, async_op=True),
                       "the loss broadcast", self.pp_peers)
-        return self.over_replicas(float(self.watch.host_values(value, "the loss broadcast", self.pp_peers)))[0]
+        if self.topology.dp > 1:
+            value = self._over_replicas(value)
+        return float(self.watch.host_values(value, "the loss broadcast", self.pp_peers + self.dp_peers)[0])
+
+
+@dataclass
+class Decision:
+    """What every rank reads at the end of a step: the pipeline's signals and, over the replicas, the step's loss,
+    the stop requests and each replica's origin (numerics.StepSignals.origin)."""
+
+    signals: StepSignals
+    loss: float
+    stops: list[float]
+    origins: list[float]
 
 
 def _squares(params: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -101,5 +115,5 @@ def _squares(params: Sequence[torch.Tensor | None], device: torch.device) -> tor
     out = torch.zeros(len(params), dtype=torch.float64, device=device)
     if grads:
         norms = torch.stack([n.double() for n in torch._foreach_norm([g for _, g in grads])])
-        out[torch.tensor([i for i, _ in grads], device=device)] = norms.pow(2)
+        out[constant([i for i, _ in grads], torch.long, device)] = norms.pow(2)
     return out

@@ -1,11 +1,23 @@
-"""Where the engine runs: the device to use, and the CUDA calls that are no-ops on CPU."""
+"""Where the engine runs: the device to use, the CUDA calls that are no-ops on CPU, and host values sent to it.
+
+[Note: no hidden syncs]
+On CUDA, ``torch.tensor(values, device=cuda)`` copies from pageable memory: the host blocks until the
+stream got there, a sync nobody watches (a hung peer there gets no wait-for report). The runtime's
+per-step code therefore never builds a device tensor from host values that way: values fixed for a
+run (index tensors, shape headers) are :func:`constant` (made once per value, reused), values new each
+step go through :func:`to_device` (pinned memory, a non-blocking copy). What the host reads back from
+the device goes only through the watch (``faults.Watch.host_values``); ``tests/runtime/test_syncs.py``
+reads the source to keep it so.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device", "synchronize"]
+from typing import Sequence
+
+__all__ = ["default_device", "synchronize", "to_device", "constant"]
 
 
 def default_device() -> torch.device:
@@ -20,3 +32,25 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new device tensor of host ``values`` without blocking the host: on CUDA through pinned memory (torch's
+    caching host allocator keeps the block until the copy is done), a plain tensor on CPU."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+_CONSTANTS: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def constant(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a device tensor made once and then reused (an index, a shape header): never write into it."""
+    key = (tuple(values), dtype, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 4096:   # shapes that keep changing: start again rather than grow for good
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = to_device(key[0], dtype, device)
+    return t

@@ -9,6 +9,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .device import constant
+
 __all__ = ["NonFiniteError", "StepSignals", "SignalVector", "LossScale", "nonfinite_message", "STOP_SIGNALS",
            "stop_signal"]
 
@@ -80,14 +82,27 @@ class SignalVector:
         self.tensor[start:start + 2] += outputs_and_grads
         self.tensor[start + 2] += grads_nonfinite
 
-    def decode(self, read: Callable[[torch.Tensor], list[float]] = torch.Tensor.tolist) -> StepSignals:
-        """The signals, read from the all-reduced tensor with ``read`` (a watched host read on CUDA)."""
-        values = read(self.tensor)
-        flags = values[self._flags:self._norms]
+    def replica_part(self, dp: int, replica: int) -> torch.Tensor:
+        """What the replicas sum, on the device (after the pipeline's all-reduce): ``[loss, stop requests, origin
+        per replica]``, this replica's :meth:`StepSignals.origin` in its own slot (no host read: the replicas'
+        all-reduce follows on the device, and the host reads both results at once)."""
+        out = torch.zeros(self._flags + dp, dtype=torch.float64, device=self.tensor.device)
+        out[:self._flags] = self.tensor[:self._flags]
+        flags = self.tensor[self._flags:self._norms]
+        stage = constant(range(self.num_stages), torch.float64, self.tensor.device)
+        first_out = torch.where(flags[0::3] > 0, stage, float(self.num_stages)).min()
+        last_grad = torch.where(flags[1::3] > 0, stage, -1.0).max()
+        out[self._flags + replica] = torch.where(first_out < self.num_stages, 1 + first_out,
+                                                 torch.where(last_grad >= 0, -(1 + last_grad), 0.0))
+        return out
+
+    def decode(self, values: Sequence[float]) -> StepSignals:
+        """The signals, from the all-reduced tensor's values (read by the host through the watch)."""
+        flags = list(values[self._flags:self._norms])
         grad_sq = 0.0
         for square in values[self._norms:]:   # in the model's order: see the note
             grad_sq += square
-        return StepSignals(grad_sq, values[0], flags[0::3], flags[1::3], values[1:self._flags], flags[2::3])
+        return StepSignals(grad_sq, values[0], flags[0::3], flags[1::3], list(values[1:self._flags]), flags[2::3])
 
 
 def stop_signal(stops: Sequence[float]) -> int | None:

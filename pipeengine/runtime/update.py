@@ -114,10 +114,11 @@ class Update:
     def _decide(self, result: StepResult) -> None:
         """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""
         e = self.engine
-        signals = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request)
+        decision = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request)
+        signals, origins = decision.signals, decision.origins
         result.grad_norm = math.sqrt(signals.grad_sq)
-        result.loss, stops, origins = self.consensus.over_replicas(signals.loss, signals.stops, signals.origin())
-        result.stop = stop_signal(stops)
+        result.loss = decision.loss
+        result.stop = stop_signal(decision.stops)
         overflow = self.loss_scale.overflow(result.grad_norm)   # fp16: expected now and then
         result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
         if result.nonfinite and e.on_nonfinite == "stop":

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Action, Kind, Step
+from .device import constant
 from .faults import Watch, WaitTimeout, watch
 
 __all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "flatten", "MAX_TAG"]
@@ -83,7 +84,7 @@ def encode_header(packed: bool, metas: Sequence[TensorMeta], device: torch.devic
     if len(out) > HEADER_LEN:
         raise ValueError(f"the shapes {describe(metas)} need a {len(out)}-entry header, more than "
                          f"{HEADER_LEN}; pass fewer or lower-rank tensors between stages")
-    return torch.tensor(out + [0] * (HEADER_LEN - len(out)), dtype=torch.int64, device=device)
+    return constant(out + [0] * (HEADER_LEN - len(out)), torch.int64, device or torch.device("cpu"))
 
 
 def decode_header(values: Sequence[int]) -> tuple[bool, tuple[TensorMeta, ...]]:

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .device import constant
 from .grad_sync import GradSync
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE", "check_elementwise", "boxes", "Segment"]
@@ -165,7 +166,6 @@ class ShardedOptimizer:
         device = self.flats[0].device if self.flats else None
         # [squared norm per parameter, 0 (a parameter without a slot), got a gradient per parameter]: one all-reduce
         self._reduced = torch.zeros(2 * n + 1, dtype=torch.float64, device=device)
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}   # squares(): index tensors, made once per list
 
     def _cut_state(self) -> None:
         """State the optimizer holds already (Adagrad's ``sum`` from its constructor, or a state the factory
@@ -237,10 +237,7 @@ class ShardedOptimizer:
         self.wait(dist.all_reduce(self._reduced, group=self.sync.group, async_op=True), "the gradient-norm all-reduce")
 
     def _index_of(self, slots: tuple[int, ...]) -> torch.Tensor:
-        index = self._index.get(slots)
-        if index is None:
-            index = self._index[slots] = torch.tensor(slots, dtype=torch.long, device=self._reduced.device)
-        return index
+        return constant(slots, torch.long, self._reduced.device)
 
     def squares(self, params: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The squared gradient norms of ``params`` (None: 0), as :meth:`reduce_squares` summed them."""

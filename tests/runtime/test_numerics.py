@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import signal
 
+import pytest
 import torch
 
 from pipeengine.runtime.numerics import LossScale, SignalVector, nonfinite_message
@@ -27,13 +29,29 @@ def test_fp16_scaling_follows_overflows() -> None:
     assert off.value == 1.0
 
 
+@pytest.mark.parametrize("outputs,grads", [((0, 0, 0, 0), (0, 0, 0, 0)), ((0, 1, 1, 0), (1, 0, 1, 0)),
+                                           ((0, 0, 0, 0), (1, 0, 1, 0)), ((1, 0, 0, 0), (0, 0, 0, 0)),
+                                           ((0, 0, 0, 3), (0, 0, 0, 2))])
+def test_the_replicas_part_carries_the_origin_the_host_would_compute(outputs: tuple[int, ...],
+                                                                     grads: tuple[int, ...]) -> None:
+    """The origin is computed on the device (no host read before the replicas' all-reduce) as StepSignals does."""
+    vec = SignalVector(4, 2, torch.device("cpu"))
+    vec.set_loss(torch.tensor(1.25, dtype=torch.float64))
+    vec.request_stop(signal.SIGTERM)
+    for stage, (o, g) in enumerate(zip(outputs, grads)):
+        vec.add_stage(stage, torch.tensor([float(o), float(g)], dtype=torch.float64), torch.tensor(0.0))
+    part = vec.replica_part(3, 1).tolist()
+    origin = vec.decode(vec.tensor.tolist()).origin()
+    assert part == [1.25, 0.0, 1.0, 0.0, 0.0, float(origin), 0.0], (part, origin)
+
+
 def test_signal_vector_decodes_what_each_stage_added() -> None:
     vec = SignalVector(3, 4, torch.device("cpu"))
     vec.set_grad_sq(0, torch.tensor([4.0], dtype=torch.float64))
     vec.set_grad_sq(2, torch.tensor([2.0, 3.0], dtype=torch.float64))
     vec.set_loss(torch.tensor(2.5, dtype=torch.float64))
     vec.add_stage(1, torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
-    s = vec.decode()
+    s = vec.decode(vec.tensor.tolist())
     assert (s.grad_sq, s.loss) == (9.0, 2.5)
     assert s.nonfinite_outputs == [0.0, 1.0, 0.0] and s.nonfinite_grads == [0.0, 0.0, 0.0]
     assert s.nonfinite_weights == [0.0, 1.0, 0.0] and s.origin() == 2   # stage 1's output: 1 + 1
