@@ -8,7 +8,9 @@ awaited after the program ends. Tied copies are then summed over their tie group
 over the pipeline then carries the squared gradient norm (once per logical parameter), the loss
 and, per stage, whether its outputs or gradients went non-finite (numerics.SignalVector); the loss
 is summed over the replicas (each microbatch's loss was divided by the step's microbatches over every
-replica: the sum is the global batch's mean). Every rank thus takes the same decision: step, skip
+replica: the sum is the global batch's mean) on the device, with each replica's origin (where it went
+non-finite first), and the host reads the two results, with which parameters got gradients, in one
+read through the watch ([Note: no hidden syncs] in device.py). Every rank thus takes the same decision: step, skip
 (``on_nonfinite="skip"``: parameters, optimizer state and buffers unchanged) or raise
 ``NonFiniteError`` naming the first stage that went non-finite (``"stop"``). Every wait is timed
 and watched (faults.py).
@@ -49,10 +51,12 @@ class Consensus:
         # parameters -> their squared gradient norms (ZeRO-1 sums them over the replicas' shards: zero.py)
         self.squares: Callable[[Sequence[torch.Tensor | None]], torch.Tensor] = lambda ps: _squares(ps, device)
 
-    def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None) -> Decision:
+    def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None,
+                riders: torch.Tensor | None = None) -> Decision:
         """Gradient norm, loss, non-finite flags and stop requests of the whole pipeline (one all-reduce over it),
         the loss and stop requests summed over the replicas with every replica's origin (one all-reduce over
-        them), read by the host once (``stop``: a signal this rank got)."""
+        them), read by the host once with ``riders`` (this rank's device values the host needs: which parameters
+        got gradients) (``stop``: a signal this rank got)."""
         vec = SignalVector(self.num_stages, sum(plan.param_counts), self.device)
         if stop is not None:
             vec.request_stop(stop)
@@ -69,14 +73,19 @@ class Consensus:
         if self.topology.pp > 1:
             self.wait(dist.all_reduce(vec.tensor, group=self.groups.pp_group, async_op=True),
                       "the end-of-step all-reduce", self.pp_peers)
+        parts = [vec.tensor]
+        if self.topology.dp > 1:
+            parts.append(self._over_replicas(vec.replica_part(self.topology.dp, self.topology.replica_of(self.rank))))
+        if riders is not None:
+            parts.append(riders.double())
+        values = self.watch.host_values(torch.cat(parts), "the end-of-step all-reduce", self.pp_peers + self.dp_peers)
+        n = len(vec.tensor)
+        signals, ride = vec.decode(values[:n]), values[len(values) - (0 if riders is None else len(riders)):]
         if self.topology.dp == 1:
-            signals = vec.decode(self.watch.host_values(vec.tensor, "the end-of-step all-reduce", self.pp_peers))
-            return Decision(signals, signals.loss, signals.stops, [signals.origin()])
-        replicas = self._over_replicas(vec.replica_part(self.topology.dp, self.topology.replica_of(self.rank)))
-        values = self.watch.host_values(torch.cat([vec.tensor, replicas]), "the loss all-reduce", self.dp_peers)
-        signals, summed = vec.decode(values[:len(vec.tensor)]), values[len(vec.tensor):]
+            return Decision(signals, signals.loss, signals.stops, [signals.origin()], ride)
         stops = len(signals.stops)
-        return Decision(signals, summed[0], summed[1:1 + stops], summed[1 + stops:])
+        summed = values[n:n + 1 + stops + self.topology.dp]
+        return Decision(signals, summed[0], summed[1:1 + stops], summed[1 + stops:], ride)
 
     def _over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the replicas, on the device (the host reads it with the rest)."""
@@ -106,6 +115,7 @@ class Decision:
     loss: float
     stops: list[float]
     origins: list[float]
+    riders: list[float]   # the riders' values (Consensus.signals)
 
 
 def _squares(params: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:

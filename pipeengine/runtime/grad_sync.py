@@ -188,12 +188,20 @@ class GradSync:
             self.watch.wait(work, "the data-parallel gradient all-reduce", self.peers, cuda=flat.is_cuda)
         self._works = []
         self._armed.clear()
-        if self.shard is not None:
-            return
-        untouched = self.watch.host_values(torch.cat(self._flags) == 0, "the data-parallel gradient all-reduce",
-                                           self.peers)   # one host read for every bucket
-        for p, none in zip((p for bucket in self.buckets for p in bucket), untouched):
-            if none:   # no replica gave it a gradient: as zero_grad leaves it without DP
+
+    def untouched(self) -> torch.Tensor | None:
+        """Per parameter (bucket order), whether no replica gave it a gradient, on the device: the host reads it with
+        the step's signals (consensus.py), then :meth:`drop_untouched`. None under sharding (zero.py has its own)."""
+        if self.shard is not None or not self.flats:
+            return None
+        return torch.cat(self._flags) == 0
+
+    def drop_untouched(self, untouched: Sequence[float]) -> None:
+        """Parameters no replica gave a gradient have none, as zero_grad leaves them without DP (tied copies have
+        their tie's sum: ties.py)."""
+        for (p, whole), none in zip(((p, w) for bucket, w in zip(self.buckets, self.whole) for p in bucket),
+                                    untouched):
+            if none and not whole:
                 p.grad = None
 
 

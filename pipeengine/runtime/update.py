@@ -59,8 +59,7 @@ class Update:
         if shard:
             peers = self.consensus.dp_peers
             self.zero = on_every_rank(lambda: ShardedOptimizer(   # a refusal on one rank is every rank's
-                self.grad_sync, e.optimizer, e.replica, lambda w, what: self._wait(w, what, peers),
-                lambda t, what: e.watch.host_values(t, what, peers)))
+                self.grad_sync, e.optimizer, e.replica, lambda w, what: self._wait(w, what, peers)))
             self.stepped = self.zero.params
             self.consensus.squares = self.zero.squares
 
@@ -90,14 +89,17 @@ class Update:
         if self.zero is not None:
             self.zero.mark_stepped(p for mine, _, _ in e.ties.copies for p in mine)   # every copy has the tie's sum
             self.zero.reduce_squares()
-        self._decide(result)
+        riders = self.zero.got() if self.zero is not None else self.grad_sync.untouched()
+        got = self._decide(result, riders)
         if result.skipped:
             self.skipped_steps += result.nonfinite
             e.local.restore_buffers(buffers)
         else:
+            if self.zero is None:
+                self.grad_sync.drop_untouched(got)
             clip_grad_norm(self.stepped, e.grad_clip, result.grad_norm or 0.0)
             if self.zero is not None:   # on CUDA the all-gather overlaps until a stage's next F needs it
-                self.zero.step(defer=self.gather_in_background)
+                self.zero.step(defer=self.gather_in_background, got=got)
             else:
                 e.optimizer.step()
         if e.topology.dp > 1 and e.local.buffers:
@@ -111,10 +113,11 @@ class Update:
         start, synced = self._sync_stamps
         return float(self.engine.clock.elapsed(synced) - self.engine.clock.elapsed(start))
 
-    def _decide(self, result: StepResult) -> None:
-        """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step])."""
+    def _decide(self, result: StepResult, riders: torch.Tensor | None) -> list[float]:
+        """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step]); the
+        values of ``riders`` (device flags the host needs too), read with it."""
         e = self.engine
-        decision = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request)
+        decision = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request, riders)
         signals, origins = decision.signals, decision.origins
         result.grad_norm = math.sqrt(signals.grad_sq)
         result.loss = decision.loss
@@ -128,3 +131,4 @@ class Update:
                              f"rank {e.topology.rank(e.schedule.placement(s)[0], r)}"))
         result.skipped = overflow or result.nonfinite
         self.loss_scale.update(overflow)
+        return decision.riders

@@ -149,9 +149,9 @@ class ShardedOptimizer:
     """
 
     def __init__(self, sync: GradSync, optimizer: torch.optim.Optimizer, replica: int,
-                 wait: Callable[[Any, str], None], read: Callable[[torch.Tensor, str], list[Any]]) -> None:
+                 wait: Callable[[Any, str], None]) -> None:
         check_elementwise(optimizer)
-        self.sync, self.optimizer, self.replica, self.wait, self.read = sync, optimizer, replica, wait, read
+        self.sync, self.optimizer, self.replica, self.wait = sync, optimizer, replica, wait
         self.flats: list[torch.Tensor] = []          # per bucket: the parameters, padded like the gradients
         self.params: list[nn.Parameter] = []         # per bucket: this replica's shard (unscaled, clipped in place)
         self.segments: list[list[Segment]] = []      # per bucket: the parameters' parts in that shard
@@ -245,12 +245,16 @@ class ShardedOptimizer:
         return self._reduced[self._index_of(tuple(none if p is None else self._slots.get(id(p), none)
                                                   for p in params))]
 
-    def step(self, defer: bool) -> None:
-        """Step the user's optimizer on this replica's parts, then gather every bucket's parameters, the first
-        layers' first (``defer``: wait in :meth:`ready`, bucket by bucket as the stages need them)."""
+    def got(self) -> torch.Tensor:
+        """Per parameter slot, whether some replica gave it a gradient (after :meth:`reduce_squares`), on the device:
+        the host reads it with the step's signals (consensus.py) and passes it to :meth:`step`."""
+        return self._reduced[len(self._slots) + 1:] > 0
+
+    def step(self, defer: bool, got: Sequence[float]) -> None:
+        """Step the user's optimizer on this replica's parts that ``got`` a gradient (:meth:`got`, as read), then
+        gather every bucket's parameters, the first layers' first (``defer``: wait in :meth:`ready`, bucket by
+        bucket as the stages need them)."""
         self.ready()   # (every stage ran its F, so nothing is left: a guard)
-        n = len(self._slots)
-        got = self.read(self._reduced[n + 1:] > 0, "the gradient-norm all-reduce") if n else []
         stepped = {pid for pid, j in self._slots.items() if got[j] and pid in self._parts}
         with self._parts_in_groups(stepped):
             self.optimizer.step()

@@ -65,9 +65,9 @@ def _reads(rank: int, world: int, depth: int, microbatches: int, zero: bool) -> 
 @pytest.mark.parametrize("zero", [False, True], ids=["unsharded", "zero1"])
 def test_device_reads_per_step_do_not_grow_with_layers_or_microbatches(world4: WorldPool, zero: bool) -> None:
     """pp 2 x dp 2: every rank reads the same fixed number of times per step at 4 or 8 layers and 2 or 8
-    microbatches: a stream's shape header (a position that receives one), the gradient sync's untouched flags
-    (ZeRO-1: its norms), and the step's signals with the loss over the replicas in one read; an eval step, its
-    header and its loss."""
+    microbatches: a stream's shape header (a position that receives one), then one read for the step's signals,
+    its loss over the replicas and which parameters got gradients (the gradient sync's flags; ZeRO-1's); an eval
+    step, its header and its loss."""
     runs: dict[tuple[int, int], Any] = {}
     for depth, m in [(4, 2), (8, 2), (4, 8)]:
         runs[(depth, m)] = world4.run(_reads, depth, m, zero)
@@ -75,4 +75,4 @@ def test_device_reads_per_step_do_not_grow_with_layers_or_microbatches(world4: W
     assert all(run == first for run in runs.values()), runs
     for rank, counts in enumerate(first):
         header = 1 if rank in (2, 3) else 0                # position 1 (ranks 2, 3) receives the activations
-        assert counts == [header + 2] * 3 + [header + 1], (rank, counts)
+        assert counts == [header + 1] * 4, (rank, counts)
