@@ -12,10 +12,10 @@ reads the source to keep it so.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
-
-from typing import Sequence
 
 __all__ = ["default_device", "synchronize", "to_device", "constant"]
 

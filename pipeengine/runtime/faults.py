@@ -45,6 +45,8 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -187,14 +189,18 @@ class Watch(FaultChannel):
         self._waiting = {"what": what, "peers": list(peers), "since": since}
         try:
             done = self._waiter().submit(event.synchronize)
-            while not done.wait(CHECK):
+            while True:
+                try:
+                    done.result(timeout=CHECK)   # (the device's own error, if synchronize raised one)
+                    return
+                except FutureTimeout:
+                    pass
                 if self.peer_failure:
                     raise PeerFailed(self.peer_failure)
                 waited = time.monotonic() - since
                 if waited > self.timeout:
                     line = self._line("waits", what, peers, waited)
                     raise error(f"{describe_line(line)}: no completion after {self.timeout:g} s\n{self._hang(line)}")
-            done.result()   # the device's own error, if synchronize raised one
         finally:
             self._waiting = None
 
@@ -289,35 +295,19 @@ class Watch(FaultChannel):
         os._exit(self.exit_status)
 
 
-class _Done:
-    """The completion of a job given to a :class:`_Waiter`: wait for it, then take its error if it raised."""
-
-    def __init__(self) -> None:
-        self._flag = threading.Event()
-        self.error: BaseException | None = None
-
-    def wait(self, seconds: float) -> bool:
-        return self._flag.wait(seconds)
-
-    def set(self) -> None:
-        self._flag.set()
-
-    def result(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 class _Waiter:
     """A daemon thread that runs blocking device waits (``event.synchronize``) one after another, so the main thread
-    blocks on a :class:`_Done` it can leave on a deadline or a peer's failure. A device that never gets there keeps
+    blocks on a future it can leave on a deadline or a peer's failure. A device that never gets there keeps
     this thread for good; the main thread reports the hang and the process ends."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], _Done]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="pipeengine-device-wait", daemon=True).start()
 
-    def submit(self, block: Callable[[], Any]) -> _Done:
-        done = _Done()
+    def submit(self, block: Callable[[], Any]) -> Future[Any]:
+        """``block()`` run on this thread (a daemon: unlike an executor's, it never holds up the interpreter's exit
+        when a device never got there)."""
+        done: Future[Any] = Future()
         self._jobs.put((block, done))
         return done
 
@@ -325,10 +315,9 @@ class _Waiter:
         while True:
             block, done = self._jobs.get()
             try:
-                block()
+                done.set_result(block())
             except BaseException as exc:
-                done.error = exc
-            done.set()
+                done.set_exception(exc)
 
 
 def _cuda_event() -> Any:
