@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 __all__ = ["ROOT", "HERE", "README", "RESULTS", "torchrun_command", "free_port", "init_from_env", "finish_and_exit",
            "timed_steps", "mean_loss", "append_jsonl", "read_jsonl", "write_readme_block", "efficiency_table",
-           "describe_real"]
+           "describe_real", "process_tree"]
 
 ROOT = Path(__file__).resolve().parent.parent      # the repository root: scripts run from here, as ``-m benchmarks.X``
 HERE = ROOT / "benchmarks"
@@ -25,6 +25,22 @@ RESULTS = HERE / "results"
 
 
 # ---------------------------------------------------------------------------------------------- processes
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process below it now (read from /proc)."""
+    parents: dict[int, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree
+
 
 def torchrun_command(nproc: int, module: str, args: Iterable[str]) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc_per_node N -m benchmarks.X ...`` (run with cwd=ROOT)."""

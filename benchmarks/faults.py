@@ -23,26 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, free_port
+from benchmarks.common import ROOT, free_port, process_tree
 EXPLAINS = re.compile(r"(error:|pipeengine: wait-for report|SIGINT:|SIGTERM:|pipe.sh: (?!\d+ ranks)|ChildFailedError|"
                       r"PeerFailed|Killed)")
 
 
 def _tree(root: int) -> set[int]:
-    """``root`` and every process below it."""
-    parents: dict[int, int] = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    tree, grew = {root}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return {p for p in tree if _alive(p)}
+    """``root`` and every process below it, still alive."""
+    return {p for p in process_tree(root) if _alive(p)}
 
 
 def _alive(pid: int) -> bool:

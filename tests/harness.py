@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.common import process_tree
 from pipeengine.runtime import release
 
 __all__ = ["free_port", "process_tree", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job", "pipe_sh_command",
@@ -36,22 +37,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def process_tree(root: int) -> set[int]:
-    """``root`` and every process below it now (read from /proc)."""
-    parents: dict[int, int] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, grew = {root}, True
-    while grew:
-        more = {pid for pid, ppid in parents.items() if ppid in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return tree
 
 
 def _context() -> Any:
