@@ -140,6 +140,8 @@ class LayerCost:
     fused: float
     activation_bytes: int
     param_bytes: int
+    noise: float = 0.0   # the spread of its timed runs: interquartile range / median of F + B + W
+    kind: str = ""       # layers of one kind (same modules, parameters and input shapes) cost the same
 
     @property
     def total(self) -> float:
@@ -161,6 +163,7 @@ class Choice:
     memory: list[float]
     candidates: int
     split: bool = False   # the schedule splits backward into B and W
+    kept_equal: str = ""  # why the equal split was kept over a faster-looking one (its gain was noise)
 
     def mean_costs(self) -> Costs:
         """One stage's average F, B and W: what the schedule is lowered with."""
@@ -170,6 +173,8 @@ class Choice:
     def describe(self, schedule_name: str) -> str:
         lines = [f"partition profile: bounds {self.bounds} ({self.candidates} splits scored), "
                  f"predicted compute per step {1e3 * self.makespan:.1f} ms with {schedule_name}"]
+        if self.kept_equal:
+            lines.append(f"  {self.kept_equal}")
         for s, (f, b, w) in enumerate(self.stage_costs):
             back = f"B {1e3 * b:.2f} ms  W {1e3 * w:.2f} ms" if self.split else f"backward {1e3 * (b + w):.2f} ms"
             lines.append(f"  stage {s}: layers {self.bounds[s]}..{self.bounds[s + 1] - 1}  per microbatch "
@@ -275,9 +280,31 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: fl
     if n < stages:
         raise PartitionError(f"{n} layers cannot fill {stages} stages (each stage needs >= 1 layer)")
     splits = _Splits(costs, schedule, state_factor)
-    if math.comb(n - 1, stages - 1) <= EXACT_LIMIT:
-        return _exhaustive(splits, memory_cap)
-    return _local_search(splits, memory_cap, budget=budget)
+    best = (_exhaustive(splits, memory_cap) if math.comb(n - 1, stages - 1) <= EXACT_LIMIT
+            else _local_search(splits, memory_cap, budget=budget))
+    return _unless_noise(splits, best, memory_cap, noise(costs))
+
+
+def noise(costs: Sequence[LayerCost]) -> float:
+    """How far the measurement can be trusted: the median of the layers' relative spreads."""
+    spreads = sorted(c.noise for c in costs)
+    return spreads[len(spreads) // 2] if spreads else 0.0
+
+
+def _unless_noise(splits: _Splits, best: Choice, cap: float | None, spread: float) -> Choice:
+    """The equal split instead of ``best`` when ``best``'s predicted gain over it is inside the measurement's
+    ``spread``: a gain the profile cannot tell from noise is not worth an uneven split."""
+    even = even_bounds(splits.n, splits.stages)
+    if spread <= 0 or best.bounds == even or splits.over(even, cap):
+        return best
+    makespan = splits.exact(even)
+    gain = 1 - best.makespan / makespan
+    if gain > spread:
+        return best
+    kept = splits.choice(even, makespan)
+    kept.kept_equal = (f"the equal split kept: {best.bounds} was predicted {100 * gain:.1f}% faster, inside the "
+                       f"profile's noise ({100 * spread:.1f}% spread between its timed runs)")
+    return kept
 
 
 def _every_split(n: int, stages: int) -> Iterator[list[int]]:

@@ -20,11 +20,12 @@ from torch import nn
 from .agree import gathered
 from .device import synchronize
 from .layers import LayerSpec, build_layer
+from .logs import log
 from .planner import LayerCost, partition
 from .stage import DTYPES, LayerChain, Stage
 from .tensors import detach, flat, to_device
 
-__all__ = ["profile_layers", "profile_shares"]
+__all__ = ["profile_layers", "profile_shares", "shared_costs", "layer_kind"]
 
 
 class _LayerTimer:
@@ -67,13 +68,18 @@ class _LayerTimer:
         return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
+STABLE = 0.05   # the median is stable when the last runs move it by no more than this (relative)
+
+
 def _measure(timer: _LayerTimer, x: Any, split: bool | None, repeats: int, min_time: float,
-             max_repeats: int) -> tuple[float, float, float, float]:
-    """Median (f, b, w, fused) of at least ``repeats`` timed runs after one warm-up, more for a fast
-    layer (until ``min_time`` seconds were timed, at most ``max_repeats`` runs)."""
+             max_repeats: int) -> tuple[float, float, float, float, float]:
+    """Median (f, b, w, fused) of at least ``repeats`` timed runs after one warm-up, more until ``min_time``
+    seconds were timed and the median is stable (the last two runs moved it by at most ``STABLE``), at most
+    ``max_repeats`` runs; and the runs' spread (interquartile range / median of F + B + W)."""
     times: list[tuple[float, float, float, float]] = []
     rep, timed = 0, 0.0
-    while rep <= repeats or (timed < min_time and rep <= max_repeats):
+    while rep <= repeats or ((timed < min_time or not _stable([sum(t[:3]) for t in times]))
+                             and rep <= max_repeats):
         fused_run = timer.run(x, False) if split is not True else None
         split_run = timer.run(x, True) if split is not False else None
         if rep:   # the first run warms up
@@ -86,7 +92,66 @@ def _measure(timer: _LayerTimer, x: Any, split: bool | None, repeats: int, min_t
             timed += sum(sum(r) for r in (fused_run, split_run) if r)
         rep += 1
     f, b, w, fused = (statistics.median(t[k] for t in times) for k in range(4))
-    return f, b, w, fused
+    totals = sorted(sum(t[:3]) for t in times)
+    q1, q3 = totals[len(totals) // 4], totals[(3 * len(totals)) // 4]
+    return f, b, w, fused, (q3 - q1) / max(statistics.median(totals), 1e-12)
+
+
+def _stable(totals: list[float]) -> bool:
+    """Whether the last two runs moved the median by at most ``STABLE``."""
+    if len(totals) < 5:
+        return False
+    now, before = statistics.median(totals), statistics.median(totals[:-2])
+    return abs(now - before) <= STABLE * max(before, 1e-12)
+
+
+def layer_kind(layer: nn.Module, x: Any) -> str:
+    """What makes two layers cost the same: each module's class and settings (its plain attributes: numbers,
+    strings, flags, a custom layer's own settings among them), its parameters' and buffers' shapes and dtypes, and
+    the input's shapes and dtypes."""
+    def plain(v: Any) -> bool:
+        return isinstance(v, (int, float, str, bool, type(None))) or (
+            isinstance(v, tuple) and all(isinstance(e, (int, float, str, bool)) for e in v))
+    parts = [f"{name}:{type(m).__qualname__}:{sorted((k, v) for k, v in vars(m).items() if plain(v))}"
+             for name, m in layer.named_modules()]
+    tensors = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*layer.named_parameters(), *layer.named_buffers())]
+    inputs = [(tuple(t.shape), str(t.dtype)) for t in flat(x)]
+    return f"{parts}|{tensors}|{inputs}"
+
+
+def shared_costs(costs: Sequence[LayerCost]) -> tuple[list[LayerCost], list[str]]:
+    """Layers of one kind (:func:`layer_kind`) take one cost, each phase the median of theirs; a line for each
+    kind whose layers measured further apart than the profile's noise allows (a busy machine, most likely)."""
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(costs):
+        if c.kind:
+            groups.setdefault(c.kind, []).append(i)
+    out, lines = list(costs), []
+    for members in (m for m in groups.values() if len(m) > 1):
+        mine = [costs[i] for i in members]
+        f, b, w, fused = (statistics.median(getattr(c, k) for c in mine) for k in ("f", "b", "w", "fused"))
+        one = LayerCost(f, b, w, fused, activation_bytes=mine[0].activation_bytes, param_bytes=mine[0].param_bytes,
+                        noise=statistics.median(c.noise for c in mine), kind=mine[0].kind)
+        totals = [c.total for c in mine]
+        apart = max(totals) / max(min(totals), 1e-12) - 1
+        if apart > max(0.25, 3 * one.noise):
+            lines.append(f"layers {_ranges(members)} are alike but measured {1e3 * min(totals):.2f} to "
+                         f"{1e3 * max(totals):.2f} ms per microbatch ({100 * apart:.0f}% apart, beyond the "
+                         f"{100 * one.noise:.0f}% spread of their runs: a busy machine?); each is planned with "
+                         f"their median F, B and W ({1e3 * one.total:.2f} ms in all)")
+        for i in members:
+            out[i] = one
+    return out, lines
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``0..3, 5, 7..8``."""
+    parts, start = [], indices[0]
+    for a, b in zip(indices, [*indices[1:], None]):
+        if b != a + 1:
+            parts.append(f"{start}..{a}" if a > start else f"{a}")
+            start = b if b is not None else start
+    return ", ".join(parts)
 
 
 def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
@@ -96,8 +161,9 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
     """Measure ``layers`` (model layers ``first``, ``first + 1``, ...) on one microbatch ``x``, the input of
     ``layers[0]``: each layer runs F, B and W as a one-layer stage of the engine (the model's first layer
     as a first stage, its last with ``loss_fn`` on ``target``). Median of at least ``repeats`` runs after
-    one warm-up, more for a fast layer (until ``min_time`` seconds were timed, at most ``max_repeats``
-    runs), so that a short slow spell of a shared machine does not decide. ``split``: time the split
+    one warm-up, more until ``min_time`` seconds were timed and the median is stable (at most ``max_repeats``
+    runs), so that a short slow spell of a shared machine does not decide; each cost carries its runs' spread
+    and its layer's kind (:func:`shared_costs` gives alike layers one cost). ``split``: time the split
     backward (True), the fused one (False) or both (None).
 
     The layers are used as given: pass copies (profiling runs them in train mode, so BatchNorm
@@ -106,12 +172,13 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
     costs: list[LayerCost] = []
     for i, layer in enumerate(layers):
         timer = _LayerTimer(layer, first + i, num_layers, loss_fn, target, device, precision)
-        f, b, w, fused = _measure(timer, x, split, repeats, min_time, max_repeats)
+        f, b, w, fused, spread = _measure(timer, x, split, repeats, min_time, max_repeats)
         for p in layer.parameters():
             p.grad = None
         out_bytes = sum(t.numel() * t.element_size() for t in flat(timer.out)) if timer.out is not None else 0
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
-                               param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters())))
+                               param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                               noise=spread, kind=layer_kind(layer, x)))
         x = timer.out
     return costs
 
@@ -143,7 +210,11 @@ def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any
                             group=group)
     finally:
         dist.destroy_process_group(group)
-    return [c for costs in everyone if costs for c in costs]
+    costs, lines = shared_costs([c for costs in everyone if costs for c in costs])
+    if rank == 0:
+        for line in lines:
+            log.warning(f"partition profile: {line}")
+    return costs
 
 
 def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, sample: tuple[Any, Any],

@@ -28,6 +28,7 @@ SCRIPTS = {
     "overhead": [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"],
     "memory": [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "4", "12",
                "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", "{out}"],
+    "profile_noise": [sys.executable, "-m", "benchmarks.profile_noise", "--blocks", "4", "--width", "32"],
     "lateness": [sys.executable, "-m", "benchmarks.lateness", "--reps", "5", "--waits", "0.1", "1"],
     "real": [*TORCHRUN, "-m", "benchmarks.real", "--model", "mlp", "--preset", "tiny", "-m", "4",
              "--micro-batch-size", "4", "--rounds", "2", "--out", "{out}"],
@@ -130,6 +131,16 @@ def test_lateness_smoke(scripts: Any) -> None:
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| watch") or line.startswith("| sleep")]
     assert len(rows) == 4 and "| 0.1 ms |" in rows[0] and "| 1 ms |" in rows[1], proc.stdout
     assert "10 device reads counted" in proc.stdout, proc.stdout   # 2 distances x 5 waits, each one read
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_profile_noise_smoke(scripts: Any) -> None:
+    proc, _ = finished(scripts, "profile_noise")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("  layer ") == 4, proc.stdout
+    for pp in (2, 4):
+        assert f"pp {pp}, raw measurements" in proc.stdout and f"pp {pp}, shared + noise rule" in proc.stdout
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+import torch
 from torch import nn
 
 from benchmarks.planner import PROFILES, makespan_of, profile_costs
@@ -145,3 +146,42 @@ def test_planner_on_the_20_cost_profiles(profile: str) -> None:
         assert choice.makespan <= makespan_of(costs, sched, even) + 1e-9
         assert choice.makespan <= makespan_of(costs, sched, minmax) + 1e-9
         assert choice.makespan == pytest.approx(makespan_of(costs, sched, choice.bounds), rel=1e-12)
+
+
+# ------------------------------------------------------------------ a profile that knows its noise
+
+def _cost(total: float, noise: float = 0.0, kind: str = "") -> LayerCost:
+    return LayerCost(total / 3, total / 3, total / 3, 2 * total / 3, activation_bytes=1, param_bytes=1, noise=noise,
+                     kind=kind)
+
+
+def test_a_gain_inside_the_noise_keeps_the_equal_split_and_says_why() -> None:
+    schedule = compile_schedule("1f1b", 2, 8)
+    costs = [_cost(1.0, noise=0.02)] * 4 + [_cost(2.0, noise=0.02)] * 2   # 4 + 4 beats 3 + 5 by about 20 %
+    best = choose_bounds(costs, schedule)
+    assert best.bounds == [0, 4, 6] and not best.kept_equal
+    gain = 1 - best.makespan / simulate(schedule, [Costs(3 / 3, 3 / 3, 3 / 3), Costs(5 / 3, 5 / 3, 5 / 3)]).makespan
+    assert 0.1 < gain < 0.3, gain
+    noisy = choose_bounds([_cost(c.total, noise=0.30) for c in costs], schedule)
+    assert noisy.bounds == [0, 3, 6], noisy
+    assert noisy.kept_equal.startswith("the equal split kept: [0, 4, 6] was predicted ")
+    assert f"{100 * gain:.1f}% faster, inside the profile's noise (30.0% spread between its timed runs)" in \
+        noisy.kept_equal, noisy.kept_equal
+    assert noisy.kept_equal in noisy.describe("1f1b")
+    assert choose_bounds([_cost(c.total, noise=0.0) for c in costs], schedule).bounds == [0, 4, 6]
+
+
+def test_alike_layers_take_one_cost_and_a_spread_beyond_the_noise_is_said() -> None:
+    from pipeengine.runtime.profile import layer_kind, shared_costs
+    x = torch.zeros(2, 8)
+    assert layer_kind(nn.Linear(8, 8), x) == layer_kind(nn.Linear(8, 8), x)
+    assert layer_kind(nn.Linear(8, 8), x) != layer_kind(nn.Linear(8, 8, bias=False), x)
+    assert layer_kind(nn.Linear(8, 8), x) != layer_kind(nn.Linear(8, 8), torch.zeros(4, 8))
+    assert layer_kind(nn.Dropout(0.1), x) != layer_kind(nn.Dropout(0.2), x)   # a setting, not in the parameters
+    blocks = [_cost(t, noise=0.05, kind="block") for t in (2.0, 2.1, 18.0, 2.05)]
+    costs, lines = shared_costs([_cost(1.0, kind="embedding"), *blocks, _cost(3.0, kind="head")])
+    assert [c.total for c in costs] == pytest.approx([1.0, 2.075, 2.075, 2.075, 2.075, 3.0])
+    assert len(lines) == 1 and lines[0].startswith("layers 1..4 are alike but measured 2000.00 to 18000.00 ms"), lines
+    assert "each is planned with their median F, B and W (2075.00 ms in all)" in lines[0]
+    calm, quiet = shared_costs([_cost(t, noise=0.05, kind="block") for t in (2.0, 2.1)])
+    assert quiet == [] and calm[0] == calm[1]
