@@ -1,5 +1,13 @@
 """The fault channel: a failure, a wait-for report and what rank 0 printed, told to every rank through the process
-group's own c10d store (see [Note: the fault channel] in faults.py)."""
+group's own c10d store (see [Note: the fault channel] in faults.py).
+
+[Note: hang reports at scale]
+A hang report costs O(world) store requests, not O(world^2): every rank's line is one key
+(``wait/<rank>``) and one count (``waits``); the first rank to time out (the winner of ``hang``)
+polls the count until every rank published or a grace period passed, then checks each key once and
+reads them all in one ``multi_get``; the ranks that time out after it wait for its ``report`` key
+instead of collecting again (one key polled), and make their own only if none comes.
+"""
 
 from __future__ import annotations
 
@@ -124,18 +132,28 @@ class FaultChannel:
                 "peers": list(peers), "secs": round(secs, 1)}
 
     def _publish(self, line: dict[str, Any]) -> None:
+        """This rank's line of a hang report, counted once (the collector waits for the count, not for each key)."""
         self.store.set(f"{PREFIX}wait/{self.rank}", json.dumps(line))
+        if not self._published:
+            self.store.add(PREFIX + "waits", 1)
 
     def _hang(self, line: dict[str, Any]) -> str:
-        """Publish this rank's line, collect the others' for a grace period, print the report once."""
+        """Publish this rank's line; the first rank to time out collects the others' for a grace period and makes
+        the report, the later ones take it (a rank that finds none in time makes its own); print it once.
+        O(world) store requests in all, whatever the world ([Note: hang reports at scale])."""
         try:
             self._publish(line)
             self._published = True
-            if self.store.compare_set(PREFIX + "hang", "", str(self.rank)) == str(self.rank).encode():
+            grace = min(5.0, max(1.5, self.timeout / 2))
+            first = self.store.compare_set(PREFIX + "hang", "", str(self.rank)) == str(self.rank).encode()
+            if first:
                 self.store.add(PREFIX + "events", 1)
-            lines = self._collect(grace=min(5.0, max(1.5, self.timeout / 2)))
-            where = {r: self.store.get(f"{PREFIX}where/{r}").decode() for r in range(self.world)
-                     if r not in lines and self.store.check([f"{PREFIX}where/{r}"])}
+            elif (made := self._await_report(grace + 5.0)) is not None:
+                self.print_once(made, only_rank0=True)
+                return made
+            lines = self._collect(grace)
+            silent = [r for r in range(self.world) if r not in lines and self.store.check([f"{PREFIX}where/{r}"])]
+            where = {r: v.decode() for r, v in zip(silent, self._read([f"{PREFIX}where/{r}" for r in silent]))}
             report = wait_for_report(lines, self.world, self.timeout, where, dump_flight_recorder(self.rank))
             if self.store.compare_set(PREFIX + "report", "", report) == report.encode():
                 self.store.add(PREFIX + "events", 1)
@@ -147,15 +165,25 @@ class FaultChannel:
         return report
 
     def _collect(self, grace: float) -> dict[int, dict[str, Any]]:
+        """Every published line, once all ranks published or ``grace`` seconds passed (one counter polled)."""
         deadline = time.monotonic() + grace
-        lines: dict[int, dict[str, Any]] = {}
-        while True:
-            for r in range(self.world):
-                if r not in lines and self.store.check([f"{PREFIX}wait/{r}"]):
-                    lines[r] = json.loads(self.store.get(f"{PREFIX}wait/{r}"))
-            if len(lines) == self.world or time.monotonic() > deadline:
-                return lines
+        while self.store.add(PREFIX + "waits", 0) < self.world and time.monotonic() < deadline:
             time.sleep(0.1)
+        present = [r for r in range(self.world) if self.store.check([f"{PREFIX}wait/{r}"])]
+        return {r: json.loads(v) for r, v in zip(present, self._read([f"{PREFIX}wait/{r}" for r in present]))}
+
+    def _read(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, all present (``multi_get`` would wait for a missing one), in one request."""
+        return list(self.store.multi_get(keys)) if keys else []
+
+    def _await_report(self, seconds: float) -> str | None:
+        """The report the first rank to time out is making, once it is there (None after ``seconds``)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.store.check([PREFIX + "report"]):
+                return str(self.store.get(PREFIX + "report").decode())
+            time.sleep(0.1)
+        return None
 
     def print_once(self, text: str, only_rank0: bool = False) -> None:
         """Rank 0 prints (the rank whose output ``launch/pipe.sh`` shows); if rank 0 is silent, the first caller."""

@@ -562,3 +562,25 @@ def test_closing_an_engine_frees_its_groups_threads(world2: WorldPool) -> None:
     left its groups registered in torch for good)."""
     for counts in world2.run(_engines_one_after_another):
         assert max(counts) <= counts[0], counts   # was 11, 20, 29, 38, 44
+
+
+@pytest.mark.parametrize("world", [64, 512])
+def test_a_hang_report_costs_o_world_store_requests(world: int) -> None:
+    """Every rank but one published its line (one is silent); the first rank to time out assembles the report from
+    the count and one multi_get, the next rank takes its report: a few requests per rank, whatever the world."""
+    from pipeengine.runtime.channel import FaultChannel
+    import torch.distributed as dist
+    store = CountingStore(dist.HashStore())
+    for r in range(2, world):   # ranks 2.. saw the hang and published what they wait on
+        FaultChannel(store, r, world)._publish({"rank": r, "context": "step 3", "state": "waits", "what": "F3",
+                                                "peers": [(r + 1) % world], "secs": 1.0})
+    store.ops = 0
+    first, second = FaultChannel(store, 0, world), FaultChannel(store, 1, world)
+    first.timeout = second.timeout = 2.0
+    report = first._hang(first._line("waits", "the end-of-step all-reduce", [1], 2.0))
+    assert f"rank {world - 1}" in report and "rank 1: said nothing" not in report.splitlines()[0]
+    made = store.ops
+    assert made <= 3 * world + 60, made        # checks, one multi_get per kind, the count polled for the grace
+    store.ops = 0
+    assert second._hang(second._line("waits", "F3", [0], 2.0)) == report
+    assert store.ops <= 10, store.ops
