@@ -7,7 +7,10 @@ import tempfile
 from typing import Any, Sequence
 
 __all__ = ["wait_for_report", "describe_line", "doing_text", "ranks_text", "enable_flight_recorder",
-           "dump_flight_recorder"]
+           "flight_recorder_into", "dump_flight_recorder"]
+
+
+DUMP_PREFIX = os.path.join(tempfile.gettempdir(), "pipeengine_nccl_trace_rank_")   # until the run folder is known
 
 
 def enable_flight_recorder() -> str:
@@ -16,13 +19,24 @@ def enable_flight_recorder() -> str:
     settings win. Returns the dump files' prefix (the rank follows)."""
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    return os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                                 os.path.join(tempfile.gettempdir(), "pipeengine_nccl_trace_rank_"))
+    if "TORCH_FR_DUMP_TEMP_FILE" in os.environ:   # torch's newer name for it, read first
+        return os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+    return os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", DUMP_PREFIX)
+
+
+def flight_recorder_into(folder: str) -> str:
+    """Once the run's folder is known (every rank's, the same): the dumps go there (``<folder>/nccl_trace_rank_<r>``,
+    beside the run's logs, rather than each node's temporary folder), unless the user chose a place. This engine's
+    dumps (:func:`dump_flight_recorder`) read it when they write; torch's own, on NCCL's timeout, where torch makes
+    its writer at its first dump. Returns the prefix in force."""
+    if os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") == DUMP_PREFIX and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:
+        os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(os.path.abspath(folder), "nccl_trace_rank_")
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
 
 
 def dump_flight_recorder(rank: int) -> str | None:
     """Write this rank's flight-recorder buffer (NCCL groups with the recorder on); the file, else None."""
-    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     if not prefix or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") in ("", "0"):
         return None
     try:

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.agree import gathered, on_every_rank, same_settings
+from ..runtime.agree import decided_by_rank0, gathered, on_every_rank, same_settings
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
+from ..runtime.hangs import flight_recorder_into
 from ..runtime.layers import sizing_layers
 from ..runtime.logs import log, set_level
 from ..runtime.numerics import NonFiniteError
@@ -111,8 +112,9 @@ class Trainer:
         capacity = min(gathered(rank_memory(self.device), None))
         self.topo = on_every_rank(check)
         label = cfg.model.name.rpartition(":")[2]   # a function's name for package.module:function
-        self.run_dir = os.path.join(cfg.logging.dir, cfg.logging.run_name or (
-            f"{label}-{cfg.schedule.name}-pp{self.topo.pp}dp{self.topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}"))
+        self.run_dir = decided_by_rank0(lambda: os.path.join(cfg.logging.dir, cfg.logging.run_name or (   # one clock
+            f"{label}-{cfg.schedule.name}-pp{self.topo.pp}dp{self.topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}")))
+        flight_recorder_into(self.run_dir)   # NCCL's flight-recorder dumps beside the run's logs
         if self.rank == 0:   # from the start: a failure in set-up has its ranks' logs there too
             link_rank_logs(self.run_dir)
         self.feed = Feed(self.model.data, self.model.val_data, cfg.model.seed, cfg.batch, self.topo.dp,

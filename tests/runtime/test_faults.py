@@ -320,6 +320,21 @@ def test_the_nccl_flight_recorder_is_on_and_named_in_the_report(monkeypatch: pyt
     assert f"NCCL flight recorder: every rank's last collectives and p2p ops in {prefix}<rank>" in report
 
 
+def test_the_flight_recorder_dumps_into_the_run_folder_unless_the_user_chose(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pipeengine.runtime.hangs import enable_flight_recorder, flight_recorder_into
+    for key in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    enable_flight_recorder()
+    assert flight_recorder_into(str(tmp_path)) == str(tmp_path / "nccl_trace_rank_")
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/mine/trace_")   # the user's place is kept
+    assert flight_recorder_into(str(tmp_path)) == "/mine/trace_"
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/newer/fr_")             # torch's newer name, read first
+    assert enable_flight_recorder() == "/newer/fr_" and flight_recorder_into(str(tmp_path)) == "/newer/fr_"
+
+
 # ------------------------------------------------------------------ the store is not on the step's path
 
 class CountingStore:
