@@ -59,7 +59,15 @@ def doing_text(what: Any) -> str:
 
 
 def ranks_text(peers: Sequence[int]) -> str:
-    return ", ".join(map(str, peers))
+    """``0..511, 513, 600..1023``: runs of consecutive numbers as ranges (a world-wide wait stays one line)."""
+    parts: list[str] = []
+    for p in peers:
+        if parts and parts[-1].rpartition("..")[2] == str(p - 1) and p > 0:
+            head = parts[-1].partition("..")[0]
+            parts[-1] = f"{head}..{p}"
+        else:
+            parts.append(str(p))
+    return ", ".join(parts)
 
 
 def describe_line(line: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from torch import nn
 
 from .agree import gathered
 from .device import synchronize
+from .hangs import ranks_text
 from .layers import LayerSpec, build_layer
 from .logs import log
 from .planner import LayerCost, partition
@@ -135,23 +136,13 @@ def shared_costs(costs: Sequence[LayerCost]) -> tuple[list[LayerCost], list[str]
         totals = [c.total for c in mine]
         apart = max(totals) / max(min(totals), 1e-12) - 1
         if apart > max(0.25, 3 * one.noise):
-            lines.append(f"layers {_ranges(members)} are alike but measured {1e3 * min(totals):.2f} to "
+            lines.append(f"layers {ranks_text(members)} are alike but measured {1e3 * min(totals):.2f} to "
                          f"{1e3 * max(totals):.2f} ms per microbatch ({100 * apart:.0f}% apart, beyond the "
                          f"{100 * one.noise:.0f}% spread of their runs: a busy machine?); each is planned with "
                          f"their median F, B and W ({1e3 * one.total:.2f} ms in all)")
         for i in members:
             out[i] = one
     return out, lines
-
-
-def _ranges(indices: Sequence[int]) -> str:
-    """``0..3, 5, 7..8``."""
-    parts, start = [], indices[0]
-    for a, b in zip(indices, [*indices[1:], None]):
-        if b != a + 1:
-            parts.append(f"{start}..{a}" if a > start else f"{a}")
-            start = b if b is not None else start
-    return ", ".join(parts)
 
 
 def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agree import on_every_rank, raise_if_any
+from ..runtime.faults import watch
 from ..runtime.logs import log
 from .checksums import changed_tensor, checksums, gathered_checksums, layout_error
 
@@ -199,7 +200,9 @@ class AsyncSaver:
         if self._pending is None:
             return None
         done = torch.tensor([int(self._pending[0].done())])
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._asking)
+        work = dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._asking, async_op=True)
+        me = dist.get_rank()   # a world-wide wait at every step while a save is in flight: watched as the engine's are
+        watch().wait(work, "the checkpoint's completion poll", [r for r in range(dist.get_world_size()) if r != me])
         return self.finish() if int(done) else None
 
     def save(self, engine: PipelineEngine, directory: str, step: int | None = None, *, keep: int | None = None,

@@ -76,6 +76,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
 
+    def _run_dir(self) -> str:
+        """The run's folder: rank 0's name on every rank (one clock); NCCL's flight-recorder dumps go there too."""
+        cfg = self.cfg
+        label = cfg.model.name.rpartition(":")[2]   # a function's name for package.module:function
+        run_dir = decided_by_rank0(lambda: os.path.join(cfg.logging.dir, cfg.logging.run_name or (
+            f"{label}-{cfg.schedule.name}-pp{self.topo.pp}dp{self.topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}")))
+        flight_recorder_into(run_dir)
+        return run_dir
+
     def setup(self) -> None:
         """Everything before the first step; a bad input raises ValueError on every rank alike."""
         cfg = self.cfg
@@ -111,10 +120,7 @@ class Trainer:
         self.model = on_every_rank(load)
         capacity = min(gathered(rank_memory(self.device), None))
         self.topo = on_every_rank(check)
-        label = cfg.model.name.rpartition(":")[2]   # a function's name for package.module:function
-        self.run_dir = decided_by_rank0(lambda: os.path.join(cfg.logging.dir, cfg.logging.run_name or (   # one clock
-            f"{label}-{cfg.schedule.name}-pp{self.topo.pp}dp{self.topo.dp}-{time.strftime('%Y%m%d-%H%M%S')}")))
-        flight_recorder_into(self.run_dir)   # NCCL's flight-recorder dumps beside the run's logs
+        self.run_dir = self._run_dir()
         if self.rank == 0:   # from the start: a failure in set-up has its ranks' logs there too
             link_rank_logs(self.run_dir)
         self.feed = Feed(self.model.data, self.model.val_data, cfg.model.seed, cfg.batch, self.topo.dp,

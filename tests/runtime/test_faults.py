@@ -311,9 +311,10 @@ def test_a_peer_failure_ends_a_device_wait_at_once() -> None:
 
 def test_the_nccl_flight_recorder_is_on_and_named_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeengine.runtime.hangs import enable_flight_recorder
+    monkeypatch.setattr(os, "environ", dict(os.environ))   # what the recorder sets must not reach later tests
     for key in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")   # a user's own setting wins
+        os.environ.pop(key, None)
+    os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "500"   # a user's own setting wins
     prefix = enable_flight_recorder()
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     report = wait_for_report({}, 2, 5, recorder=prefix + "0")
@@ -323,15 +324,16 @@ def test_the_nccl_flight_recorder_is_on_and_named_in_the_report(monkeypatch: pyt
 def test_the_flight_recorder_dumps_into_the_run_folder_unless_the_user_chose(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from pipeengine.runtime.hangs import enable_flight_recorder, flight_recorder_into
+    monkeypatch.setattr(os, "environ", dict(os.environ))   # what the recorder sets must not reach later tests
     for key in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
                 "TORCH_FR_DUMP_TEMP_FILE"):
-        monkeypatch.delenv(key, raising=False)
+        os.environ.pop(key, None)
     enable_flight_recorder()
     assert flight_recorder_into(str(tmp_path)) == str(tmp_path / "nccl_trace_rank_")
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
-    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/mine/trace_")   # the user's place is kept
+    os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = "/mine/trace_"   # the user's place is kept
     assert flight_recorder_into(str(tmp_path)) == "/mine/trace_"
-    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/newer/fr_")             # torch's newer name, read first
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = "/newer/fr_"             # torch's newer name, read first
     assert enable_flight_recorder() == "/newer/fr_" and flight_recorder_into(str(tmp_path)) == "/newer/fr_"
 
 
