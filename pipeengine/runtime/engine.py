@@ -25,7 +25,7 @@ from .layers import LayerSpec
 from .local import LocalModel
 from .microbatches import read_microbatches
 from .numerics import NonFiniteError
-from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
+from .options import BOUNDARY_DTYPES, STARTUP_TIMEOUT, check_choice, check_engine_arguments, checked_optimizer
 from .plan import Plan, make_plan
 from .release import opened, release
 from .results import StepResult, StepState
@@ -65,6 +65,8 @@ class PipelineEngine:
         precision: "fp32", "bf16" (autocast, bf16 activations between stages, fp32 parameters,
             gradients and optimizer state) or "fp16" (the same with a dynamic loss scale, CUDA only).
         wire: "tags" (Gloo default) or "strict" (NCCL's per-peer order emulated on Gloo), see wire.py.
+        boundary_dtype: "fp32" or "bf16": fp32 activations and gradients cross between stages as bf16 (half the
+            traffic; results then depend on the split), see [Note: boundary dtype] in wire.py.
         timeout: seconds any wait may take (default None: 600 s until the first step was timed,
             then max(60 s, 20 x the median step)); see faults.py for what happens then.
         on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or
@@ -87,12 +89,13 @@ class PipelineEngine:
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, seed: int = 0, recompute: str = "none", precision: str = "fp32",
                  wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
-                 shard_optimizer: bool = False) -> None:
+                 shard_optimizer: bool = False, boundary_dtype: str = "fp32") -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
         check_engine_arguments(layers, loss_fn, optimizer, precision, recompute, wire, on_nonfinite, timeout,
                                grad_clip, seed)
+        check_choice("boundary_dtype", boundary_dtype, BOUNDARY_DTYPES)
         self._place(topology, device, plan, len(layers), precision)
         self.precision, self.on_nonfinite, self.grad_clip = precision, on_nonfinite, grad_clip
         self.watch = watch()
@@ -109,7 +112,7 @@ class PipelineEngine:
                    "microbatches": counts, "chunks": chunks, "partition": partition, "precision": precision,
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
-                   "shard_optimizer": shard_optimizer})
+                   "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype})
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
         self.microbatches = self.schedule.microbatches   # this replica's
         counts = list(self.plan.counts or [self.microbatches] * self.topology.dp)
@@ -127,7 +130,7 @@ class PipelineEngine:
         self.grad_sync, self.zero, self.consensus, self.loss_scale = u.grad_sync, u.zero, u.consensus, u.loss_scale
         if self.zero is not None:
             self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
-        self._take_program(wire, eval_schedule)
+        self._take_program(wire, eval_schedule, torch.bfloat16 if boundary_dtype == "bf16" else None)
         self.clock = ActionClock(self.rank, self.device, lambda event: self.watch.poll(event, "timing the step", []))
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self._step_times: list[float] = []
@@ -165,10 +168,10 @@ class PipelineEngine:
         self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties
         self.groups = self.local.groups
 
-    def _take_program(self, wire: str, eval_schedule: Schedule) -> None:
+    def _take_program(self, wire: str, eval_schedule: Schedule, boundary: torch.dtype | None) -> None:
         """This position's programs and what interpreting them needs: the wire, where the gradients become final."""
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
-                         self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch)
+                         self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch, boundary=boundary)
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
         self._split = self.schedule.split_backwards()   # (position, microbatch, chunk) whose B is followed by a W
         self.program: list[Step] = self.schedule.programs[self.position]

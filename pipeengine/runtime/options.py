@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-__all__ = ["PRECISIONS", "WIRE_MODES", "ON_NONFINITE", "STARTUP_TIMEOUT", "check_choice", "check_timeout",
+__all__ = ["PRECISIONS", "WIRE_MODES", "BOUNDARY_DTYPES",
+           "ON_NONFINITE", "STARTUP_TIMEOUT", "check_choice", "check_timeout",
            "check_grad_clip", "parse_recompute", "check_engine_arguments", "checked_optimizer"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")   # fp32 throughout; bf16 autocast; fp16 autocast with a loss scale (CUDA)
 WIRE_MODES = ("tags", "strict")         # Gloo: a tag per transfer, or NCCL's per-peer order emulated
+BOUNDARY_DTYPES = ("fp32", "bf16")      # what fp32 activations and their gradients travel between stages as
 ON_NONFINITE = ("stop", "skip")         # a non-finite loss or gradient: raise naming the stage, or skip the update
 STARTUP_TIMEOUT = 600.0                 # seconds a wait may take until the first step has been timed
 

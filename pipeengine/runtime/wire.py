@@ -12,6 +12,12 @@ have the shapes of what this rank sent.
 Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``;
 ``packed``: the stage returned a tuple (a tuple again on the other side, as in ``nn.Sequential``).
 
+[Note: boundary dtype]
+With ``boundary`` (``--boundary-dtype bf16``) every fp32 tensor crosses the wire as bf16, activations
+and their gradients alike, and is fp32 again on the other side: half the traffic of an fp32 residual
+stream. The header still announces fp32 (both sides agree on the setting), so nothing else changes;
+the rounding at the boundary is the price: results then depend on where the model is split.
+
 [Note: modes]
 ``tags`` (Gloo default): tensor ``i`` of transfer ``t = 3 * (microbatch * stages + producer) +
 direction`` has tag ``16 t + i``; Gloo matches by (peer, tag), so a step's receives are left
@@ -137,7 +143,7 @@ class Wire:
 
     def __init__(self, device: torch.device, global_rank: Callable[[int], int], stage_of: Callable[[int], int],
                  num_stages: int, microbatches: int, *, mode: str = "tags", coalesce: bool | None = None,
-                 group: Any = None, watcher: Watch | None = None) -> None:
+                 group: Any = None, watcher: Watch | None = None, boundary: torch.dtype | None = None) -> None:
         if mode not in ("tags", "strict"):
             raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
         if coalesce is None:
@@ -148,6 +154,7 @@ class Wire:
                              f"Gloo's {MAX_TAG}; use fewer microbatches or the 'strict' wire mode (one tag per pair)")
         self.device, self.global_rank, self.stage_of, self.num_stages = device, global_rank, stage_of, num_stages
         self.mode, self.coalesce, self.group = mode, coalesce, group
+        self.boundary = boundary   # fp32 tensors travel as this dtype (and come back fp32): [Note: boundary dtype]
         self.watch = watcher   # times every wait (faults.py); default: the process group's
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
@@ -180,10 +187,20 @@ class Wire:
         producer = stage - 1 if a.kind in (Kind.RECV_F, Kind.RECV_H) else stage + (a.kind is Kind.RECV_B)
         return 16 * (3 * (a.microbatch * self.num_stages + producer) + "FBH".index(a.kind.value[-1]))
 
+    def _on_wire(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of ``dtype`` travels as."""
+        return self.boundary if self.boundary is not None and dtype == torch.float32 else dtype
+
+    def _narrow(self, tensors: Tensors) -> Tensors:
+        return tuple(t.to(self._on_wire(t.dtype)) for t in tensors) if self.boundary is not None else tensors
+
+    def _widen(self, tensors: Tensors, metas: Sequence[TensorMeta]) -> Tensors:
+        return tuple(t.to(m.dtype) for t, m in zip(tensors, metas)) if self.boundary is not None else tensors
+
     def _send_tensors(self, a: Action) -> Tensors:
         stage = self.stage_of(a.chunk)
         if a.kind is Kind.SEND_B:
-            return self._outgoing.pop((Kind.B, a.microbatch, a.chunk))[1]
+            return self._narrow(self._outgoing.pop((Kind.B, a.microbatch, a.chunk))[1])
         packed, tensors = self._outgoing[(Kind.F, a.microbatch, a.chunk)]
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)
         if a.kind is Kind.SEND_H:
@@ -195,7 +212,7 @@ class Wire:
             raise ValueError(f"stage {stage} output for microbatch {a.microbatch} is ({describe(metas)}) but for "
                              f"microbatch {first} of this step it was ({describe(first_metas)}): all microbatches "
                              f"of one step must share shapes and dtypes (pad them); they may change between steps")
-        return tensors
+        return self._narrow(tensors)
 
     def _recv_buffers(self, a: Action) -> Tensors:
         stage = self.stage_of(a.chunk)
@@ -205,7 +222,7 @@ class Wire:
             metas = self._streams[stage - 1][1]
         else:   # gradients of the floating-point activations this stage sent
             metas = tuple(m for m in self._sent[stage][2] if m.dtype.is_floating_point)
-        return tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
+        return tuple(torch.empty(m.shape, dtype=self._on_wire(m.dtype), device=self.device) for m in metas)
 
     def post(self, step: Step, after_compute: bool = True) -> None:
         """Post one comm step (sends first, then receives, each in program order), after ``settle(after_compute)``.
@@ -286,10 +303,12 @@ class Wire:
             if send.rank == tr.rank and send.seq < tr.seq:
                 self._complete(send)
         self.poll()
+        stage = self.stage_of(chunk)
         if kind is Kind.RECV_B:
-            return tr.tensors
-        packed = self._streams[self.stage_of(chunk) - 1][0]
-        return tr.tensors if packed else tr.tensors[0]
+            return self._widen(tr.tensors, [m for m in self._sent[stage][2] if m.dtype.is_floating_point])
+        packed, metas = self._streams[stage - 1]
+        tensors = self._widen(tr.tensors, metas)
+        return tensors if packed else tensors[0]
 
     def poll(self) -> None:
         """Release sends known to be complete (never waits): waited on, or finished on NCCL (Gloo's works can't say)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..runtime.logs import LEVELS
-from ..runtime.options import ON_NONFINITE, PRECISIONS, WIRE_MODES
+from ..runtime.options import BOUNDARY_DTYPES, ON_NONFINITE, PRECISIONS, WIRE_MODES
 from ..schedule.builders import SCHEDULES
 from . import checks
 from .checks import BUILTIN_MODELS, Check, at_least, finite
@@ -138,6 +138,9 @@ class PrecisionConfig:
     mode: str = setting("fp32", "bf16: autocast, activations between stages in bf16, fp32 parameters, gradients "
                                 "and optimizer state; fp16: the same with a dynamic loss scale, CUDA only",
                         flag="--precision", choices=PRECISIONS)
+    boundary: str = setting("fp32", "bf16: fp32 activations and their gradients cross between stages as bf16 (half "
+                                    "the pipeline traffic; results then depend on the split)",
+                            flag="--boundary-dtype", choices=BOUNDARY_DTYPES)
 
 
 @dataclass

@@ -172,7 +172,8 @@ class Trainer:
             tied=[list(g) for g in model.tied], device=self.device, timeout=cfg.faults.timeout,
             grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
             on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
-            costs=costs, memory_cap=cap * 2**30 if cap else None, shard_optimizer=cfg.parallel.zero == 1)
+            boundary_dtype=cfg.precision.boundary, costs=costs, memory_cap=cap * 2**30 if cap else None,
+            shard_optimizer=cfg.parallel.zero == 1)
 
     def _open_logs(self) -> None:
         cfg, topo = self.cfg, self.topo
