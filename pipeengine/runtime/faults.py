@@ -113,6 +113,9 @@ class Watch(FaultChannel):
         ``pthread_exit`` as it takes the GIL back, which unwinds a C++ frame that may not throw ("terminate called
         without an active exception"). Later calls do nothing; PipelineEngine.close and an atexit hook call it."""
         self._stop.set()
+        if self._waiter_thread is not None:
+            self._waiter_thread.stop()
+            self._waiter_thread = None
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)   # a store call returns at once, or fails once the store is gone
 
@@ -301,7 +304,7 @@ class _Waiter:
     this thread for good; the main thread reports the hang and the process ends."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="pipeengine-device-wait", daemon=True).start()
 
     def submit(self, block: Callable[[], Any]) -> Future[Any]:
@@ -311,9 +314,13 @@ class _Waiter:
         self._jobs.put((block, done))
         return done
 
+    def stop(self) -> None:
+        """End the thread once the waits given to it are done (Watch.close)."""
+        self._jobs.put(None)
+
     def _run(self) -> None:
-        while True:
-            block, done = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
+            block, done = job
             try:
                 done.set_result(block())
             except BaseException as exc:
