@@ -42,7 +42,8 @@ def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, pre
     return {"losses": losses, "params": params}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-dropout"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
+                                       pytest.param("fp32-dropout", marks=pytest.mark.slow)])
 def test_losses_and_parameters_are_bitwise_the_same_at_every_split(
         precision: str, request: pytest.FixtureRequest) -> None:
     runs = {}

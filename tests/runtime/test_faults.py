@@ -581,7 +581,7 @@ def test_closing_an_engine_frees_its_groups_threads(world2: WorldPool) -> None:
         assert max(counts) <= counts[0], counts   # was 11, 20, 29, 38, 44
 
 
-@pytest.mark.parametrize("world", [64, 512])
+@pytest.mark.parametrize("world", [pytest.param(64, marks=pytest.mark.slow), 512])
 def test_a_hang_report_costs_o_world_store_requests(world: int) -> None:
     """Every rank but one published its line (one is silent); the first rank to time out assembles the report from
     the count and one multi_get, the next rank takes its report: a few requests per rank, whatever the world."""

@@ -107,7 +107,7 @@ def _microbatches(name: str, pp: int) -> list[int]:
     return sorted({1, 2, 3, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 2 * pp + 1, 3 * pp, 4 * pp})
 
 
-@pytest.mark.parametrize("pp", [pytest.param(pp, marks=[pytest.mark.slow] if pp >= 6 else []) for pp in range(1, 9)])
+@pytest.mark.parametrize("pp", [pytest.param(pp, marks=[pytest.mark.slow] if pp >= 4 else []) for pp in range(1, 9)])
 def test_every_builder_validates_and_simulates(pp: int) -> None:
     """Every built-in schedule at pp 1..8 over m up to 4 pp: complete, paired and deadlock-free (compile
     validates), simulated with uneven costs, and under the memory cap it was synthesised for."""
