@@ -3,9 +3,9 @@
 [Note: no hidden syncs]
 On CUDA, ``torch.tensor(values, device=cuda)`` copies from pageable memory: the host blocks until the
 stream got there, a sync nobody watches (a hung peer there gets no wait-for report). The runtime's
-per-step code therefore never builds a device tensor from host values that way: values fixed for a
-run (index tensors, shape headers) are :func:`constant` (made once per value, reused), values new each
-step go through :func:`to_device` (pinned memory, a non-blocking copy). What the host reads back from
+per-step code never builds a device tensor from host values that way: values fixed for a run (index
+tensors, shape headers) are :func:`constant` (made once per value through pinned memory, then reused), and
+values new each step are computed on the device (a replica's origin: numerics.py). What the host reads back from
 the device goes only through the watch (``faults.Watch.host_values``); ``tests/runtime/test_syncs.py``
 reads the source to keep it so.
 """
@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device", "synchronize", "to_device", "constant"]
+__all__ = ["default_device", "synchronize", "constant"]
 
 
 def default_device() -> torch.device:
@@ -34,14 +34,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new device tensor of host ``values`` without blocking the host: on CUDA through pinned memory (torch's
-    caching host allocator keeps the block until the copy is done), a plain tensor on CPU."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
-
-
 _CONSTANTS: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -52,5 +44,13 @@ def constant(values: Sequence[int], dtype: torch.dtype, device: torch.device) ->
     if t is None:
         if len(_CONSTANTS) > 4096:   # shapes that keep changing: start again rather than grow for good
             _CONSTANTS.clear()
-        t = _CONSTANTS[key] = to_device(key[0], dtype, device)
+        t = _CONSTANTS[key] = _from_host(key[0], dtype, device)
     return t
+
+
+def _from_host(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A device tensor of host ``values`` without blocking the host: on CUDA through pinned memory (torch's caching
+    host allocator keeps the block until the copy is done), a plain tensor on CPU."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

@@ -25,12 +25,12 @@ from .layers import LayerSpec
 from .local import LocalModel
 from .microbatches import read_microbatches
 from .numerics import NonFiniteError
-from .options import BOUNDARY_DTYPES, STARTUP_TIMEOUT, check_choice, check_engine_arguments, checked_optimizer
+from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
 from .plan import Plan, make_plan
 from .release import opened, release
 from .results import StepResult, StepState
 from .rng import generator_of, kept, microbatch_key, step_key
-from .stage import LayerChain, Stage, cast_cache_scope
+from .stage import DTYPES, LayerChain, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
 from .wire import Wire
@@ -94,8 +94,7 @@ class PipelineEngine:
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
         check_engine_arguments(layers, loss_fn, optimizer, precision, recompute, wire, on_nonfinite, timeout,
-                               grad_clip, seed)
-        check_choice("boundary_dtype", boundary_dtype, BOUNDARY_DTYPES)
+                               grad_clip, seed, boundary_dtype)
         self._place(topology, device, plan, len(layers), precision)
         self.precision, self.on_nonfinite, self.grad_clip = precision, on_nonfinite, grad_clip
         self.watch = watch()
@@ -130,7 +129,7 @@ class PipelineEngine:
         self.grad_sync, self.zero, self.consensus, self.loss_scale = u.grad_sync, u.zero, u.consensus, u.loss_scale
         if self.zero is not None:
             self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
-        self._take_program(wire, eval_schedule, torch.bfloat16 if boundary_dtype == "bf16" else None)
+        self._take_program(wire, eval_schedule, DTYPES[boundary_dtype])
         self.clock = ActionClock(self.rank, self.device, lambda event: self.watch.poll(event, "timing the step", []))
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self._step_times: list[float] = []
@@ -294,9 +293,9 @@ class PipelineEngine:
     def _train_batch(self, data_iter: Iterator[Any] | None) -> StepResult:
         buffers = self.update.begin()
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
-        self.update.finish(result, buffers)
-        result.records = self.clock.records()
-        result.grad_sync_wait = self.update.sync_wait()
+        sync_start, synced = self.update.finish(result, buffers)
+        result.records = self.clock.records()   # (one wait for the device: the stamps below are read after it)
+        result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
         result.step_time = max(r.end for r in result.records)
         self.step_count += 1
         return result

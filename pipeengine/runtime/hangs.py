@@ -19,9 +19,14 @@ def enable_flight_recorder() -> str:
     settings win. Returns the dump files' prefix (the rank follows)."""
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if "TORCH_FR_DUMP_TEMP_FILE" in os.environ:   # torch's newer name for it, read first
-        return os.environ["TORCH_FR_DUMP_TEMP_FILE"]
-    return os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", DUMP_PREFIX)
+    if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", DUMP_PREFIX)
+    return _dump_prefix()
+
+
+def _dump_prefix() -> str:
+    """Where the dumps go: torch's newer name for the setting is read first."""
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
 
 
 def flight_recorder_into(folder: str) -> str:
@@ -29,14 +34,14 @@ def flight_recorder_into(folder: str) -> str:
     beside the run's logs, rather than each node's temporary folder), unless the user chose a place. This engine's
     dumps (:func:`dump_flight_recorder`) read it when they write; torch's own, on NCCL's timeout, where torch makes
     its writer at its first dump. Returns the prefix in force."""
-    if os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") == DUMP_PREFIX and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:
+    if _dump_prefix() == DUMP_PREFIX:   # ours, not the user's
         os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(os.path.abspath(folder), "nccl_trace_rank_")
-    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
+    return _dump_prefix()
 
 
 def dump_flight_recorder(rank: int) -> str | None:
     """Write this rank's flight-recorder buffer (NCCL groups with the recorder on); the file, else None."""
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    prefix = _dump_prefix()
     if not prefix or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") in ("", "0"):
         return None
     try:
@@ -60,14 +65,13 @@ def doing_text(what: Any) -> str:
 
 def ranks_text(peers: Sequence[int]) -> str:
     """``0..511, 513, 600..1023``: runs of consecutive numbers as ranges (a world-wide wait stays one line)."""
-    parts: list[str] = []
+    runs: list[list[int]] = []   # [first, last] of each run
     for p in peers:
-        if parts and parts[-1].rpartition("..")[2] == str(p - 1) and p > 0:
-            head = parts[-1].partition("..")[0]
-            parts[-1] = f"{head}..{p}"
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
         else:
-            parts.append(str(p))
-    return ", ".join(parts)
+            runs.append([p, p])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def describe_line(line: dict[str, Any]) -> str:

@@ -67,7 +67,8 @@ def parse_recompute(spec: str, name: str = "recompute") -> int | None:
 
 
 def check_engine_arguments(layers: Any, loss_fn: Any, optimizer: Any, precision: str, recompute: str, wire: str,
-                           on_nonfinite: str, timeout: float | None, grad_clip: float | None, seed: Any = 0) -> None:
+                           on_nonfinite: str, timeout: float | None, grad_clip: float | None, seed: Any = 0,
+                           boundary_dtype: str = "fp32") -> None:
     """Every argument a user can get wrong, before any collective (so the error is the same on every rank)."""
     if not isinstance(layers, Sequence) or isinstance(layers, (str, bytes)) or not layers:
         raise TypeError(f"layers must be a non-empty list of nn.Modules or factories (got {type(layers).__name__})")
@@ -78,6 +79,7 @@ def check_engine_arguments(layers: Any, loss_fn: Any, optimizer: Any, precision:
                         f"lr=1e-3): each rank builds it for its own parameters (got {type(optimizer).__name__})")
     check_choice("precision", precision, PRECISIONS)
     check_choice("wire", wire, WIRE_MODES)
+    check_choice("boundary_dtype", boundary_dtype, BOUNDARY_DTYPES)
     check_choice("on_nonfinite", on_nonfinite, ON_NONFINITE)
     parse_recompute(recompute)
     check_timeout("timeout", timeout)

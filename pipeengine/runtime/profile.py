@@ -8,6 +8,7 @@ rank every layer's costs.
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import statistics
 import time
@@ -106,10 +107,11 @@ def _stable(totals: list[float]) -> bool:
     return abs(now - before) <= STABLE * max(before, 1e-12)
 
 
-def layer_kind(layer: nn.Module, x: Any) -> str:
-    """What makes two layers cost the same: each module's class and settings (its plain attributes: numbers,
-    strings, flags, a custom layer's own settings among them), its parameters' and buffers' shapes and dtypes, and
-    the input's shapes and dtypes."""
+def layer_kind(layer: nn.Module, x: Any, role: int = 1) -> str:
+    """What makes two layers cost the same, as a digest: each module's class and settings (its plain attributes:
+    numbers, strings, flags, a custom layer's own settings among them), its parameters' and buffers' shapes and
+    dtypes, the input's shapes and dtypes, and its place (``role``: 0 the model's first layer, 2 its last, timed
+    with the loss, 1 any other)."""
     def plain(v: Any) -> bool:
         return isinstance(v, (int, float, str, bool, type(None))) or (
             isinstance(v, tuple) and all(isinstance(e, (int, float, str, bool)) for e in v))
@@ -117,7 +119,7 @@ def layer_kind(layer: nn.Module, x: Any) -> str:
              for name, m in layer.named_modules()]
     tensors = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*layer.named_parameters(), *layer.named_buffers())]
     inputs = [(tuple(t.shape), str(t.dtype)) for t in flat(x)]
-    return f"{parts}|{tensors}|{inputs}"
+    return hashlib.sha1(f"{role}|{parts}|{tensors}|{inputs}".encode()).hexdigest()   # small: gathered by every rank
 
 
 def shared_costs(costs: Sequence[LayerCost]) -> tuple[list[LayerCost], list[str]]:
@@ -169,7 +171,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         out_bytes = sum(t.numel() * t.element_size() for t in flat(timer.out)) if timer.out is not None else 0
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
                                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                               noise=spread, kind=layer_kind(layer, x)))
+                               noise=spread, kind=layer_kind(layer, x, timer.kind)))
         x = timer.out
     return costs
 

@@ -52,7 +52,6 @@ class Update:
             whole=frozenset(id(p) for mine, _, _ in e.ties.copies for p in mine))
         self.loss_scale = LossScale(e.precision == "fp16")
         self.skipped_steps = 0
-        self._sync_stamps: tuple[Any, Any] = (0.0, 0.0)   # the clock's stamps around the gradient sync (sync_wait)
         self.zero: ShardedOptimizer | None = None   # ZeRO-1 (zero.py)
         self.gather_in_background = e.device.type == "cuda"   # ZeRO-1: see [Note: sharded optimizer state]
         self.stepped: Sequence[torch.nn.Parameter] = e.parameters   # what clipping scales (shards under ZeRO-1)
@@ -77,8 +76,9 @@ class Update:
             e.optimizer.zero_grad(set_to_none=True)
         return e.local.saved_buffers() if e.on_nonfinite == "skip" else []
 
-    def finish(self, result: StepResult, buffers: list[torch.Tensor]) -> None:
-        """After the program: sync, decide, step or skip (``buffers``: what :meth:`begin` saved)."""
+    def finish(self, result: StepResult, buffers: list[torch.Tensor]) -> tuple[Any, Any]:
+        """After the program: sync, decide, step or skip (``buffers``: what :meth:`begin` saved). Returns the clock's
+        stamps around the wait for the gradient sync, to be read once the step's records are (clock.py)."""
         e = self.engine
         sync_start = e.clock.mark()
         e.watch.doing = "the end-of-step gradient sync"
@@ -106,12 +106,7 @@ class Update:
             broadcast_buffers(e.local.buffers, e.topology.rank(e.position, 0), e.groups.dp_group,
                               lambda w: self._wait(w, "the buffer broadcast", self.consensus.dp_peers))
         e.clock.add(e.stages[0].index, Phase.SYNC, -1, sync_start, e.clock.mark())
-        self._sync_stamps = (sync_start, synced)   # read after the step's records (no wait for the device here)
-
-    def sync_wait(self) -> float:
-        """Seconds the step waited for its data-parallel gradient sync; after the clock's records (clock.py)."""
-        start, synced = self._sync_stamps
-        return float(self.engine.clock.elapsed(synced) - self.engine.clock.elapsed(start))
+        return sync_start, synced
 
     def _decide(self, result: StepResult, riders: torch.Tensor | None) -> list[float]:
         """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step]); the

@@ -194,8 +194,8 @@ class Wire:
     def _narrow(self, tensors: Tensors) -> Tensors:
         return tuple(t.to(self._on_wire(t.dtype)) for t in tensors) if self.boundary is not None else tensors
 
-    def _widen(self, tensors: Tensors, metas: Sequence[TensorMeta]) -> Tensors:
-        return tuple(t.to(m.dtype) for t, m in zip(tensors, metas)) if self.boundary is not None else tensors
+    def _widen(self, tensors: Tensors, dtypes: Sequence[torch.dtype]) -> Tensors:
+        return tuple(t.to(d) for t, d in zip(tensors, dtypes))
 
     def _send_tensors(self, a: Action) -> Tensors:
         stage = self.stage_of(a.chunk)
@@ -304,10 +304,11 @@ class Wire:
                 self._complete(send)
         self.poll()
         stage = self.stage_of(chunk)
-        if kind is Kind.RECV_B:
-            return self._widen(tr.tensors, [m for m in self._sent[stage][2] if m.dtype.is_floating_point])
+        if kind is Kind.RECV_B:   # the gradients of what this stage sent: its floating-point tensors' dtypes
+            return tr.tensors if self.boundary is None else self._widen(
+                tr.tensors, [m.dtype for m in self._sent[stage][2] if m.dtype.is_floating_point])
         packed, metas = self._streams[stage - 1]
-        tensors = self._widen(tr.tensors, metas)
+        tensors = tr.tensors if self.boundary is None else self._widen(tr.tensors, [m.dtype for m in metas])
         return tensors if packed else tensors[0]
 
     def poll(self) -> None:

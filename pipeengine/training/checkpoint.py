@@ -193,6 +193,8 @@ class AsyncSaver:
         group, asking = dist.new_group(backend="gloo", timeout=limit), dist.new_group(backend="gloo", timeout=limit)
         assert isinstance(group, dist.ProcessGroup) and isinstance(asking, dist.ProcessGroup)   # every rank's
         self.group, self._asking = group, asking
+        me = dist.get_rank()   # the poll waits on every other rank: watched as the engine's waits are
+        self._peers = [r for r in range(dist.get_world_size()) if r != me]
         self._pending: tuple[Any, PipelineEngine, str, str, dict[str, Any], int | None, dict[str, Any]] | None = None
 
     def poll(self) -> str | None:
@@ -201,8 +203,7 @@ class AsyncSaver:
             return None
         done = torch.tensor([int(self._pending[0].done())])
         work = dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._asking, async_op=True)
-        me = dist.get_rank()   # a world-wide wait at every step while a save is in flight: watched as the engine's are
-        watch().wait(work, "the checkpoint's completion poll", [r for r in range(dist.get_world_size()) if r != me])
+        watch().wait(work, "the checkpoint's completion poll", self._peers)
         return self.finish() if int(done) else None
 
     def save(self, engine: PipelineEngine, directory: str, step: int | None = None, *, keep: int | None = None,

@@ -178,6 +178,7 @@ def test_alike_layers_take_one_cost_and_a_spread_beyond_the_noise_is_said() -> N
     assert layer_kind(nn.Linear(8, 8), x) != layer_kind(nn.Linear(8, 8, bias=False), x)
     assert layer_kind(nn.Linear(8, 8), x) != layer_kind(nn.Linear(8, 8), torch.zeros(4, 8))
     assert layer_kind(nn.Dropout(0.1), x) != layer_kind(nn.Dropout(0.2), x)   # a setting, not in the parameters
+    assert layer_kind(nn.Linear(8, 8), x, 1) != layer_kind(nn.Linear(8, 8), x, 2)   # the last layer times the loss
     blocks = [_cost(t, noise=0.05, kind="block") for t in (2.0, 2.1, 18.0, 2.05)]
     costs, lines = shared_costs([_cost(1.0, kind="embedding"), *blocks, _cost(3.0, kind="head")])
     assert [c.total for c in costs] == pytest.approx([1.0, 2.075, 2.075, 2.075, 2.075, 3.0])

@@ -21,8 +21,8 @@ ALLOWED = {
                   '"""``t.tolist()``: on CUDA only once',   # its docstring
                   "submit(event.synchronize)"],          # Watch.poll: blocks in the waiter thread, watched
     "device.py": ["``torch.tensor(values, device=cuda)``",   # the note
-                  "return torch.tensor(values, dtype=dtype, device=device)",   # to_device on CPU
-                  "return torch.tensor(values, dtype=dtype).pin_memory()",     # to_device on CUDA: pinned
+                  "return torch.tensor(values, dtype=dtype, device=device)",   # constant() on CPU
+                  "return torch.tensor(values, dtype=dtype).pin_memory()",     # constant() on CUDA: pinned
                   "torch.cuda.synchronize(device)"],     # device.synchronize: the start-up profile only
     "state.py": ['torch.tensor(e.step_count)', 'torch.tensor(e.loss_scale.value', 'torch.tensor(e.loss_scale.good',
                  'torch.tensor(0)', 'torch.tensor(1.0, dtype'],   # checkpoint counters: CPU tensors, at a save
@@ -38,8 +38,8 @@ def test_the_runtime_reads_the_device_only_through_the_watch() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if SYNCS.search(line) and not any(ok in line for ok in ALLOWED.get(path.name, [])):
                 found.append(f"{path.name}:{number}: {line.strip()}")
-    assert not found, "host syncs outside the watch (use faults.Watch.host_values, device.to_device or " \
-                      "device.constant):\n" + "\n".join(found)
+    assert not found, ("host syncs outside the watch (use faults.Watch.host_values or device.constant):\n"
+                       + "\n".join(found))
 
 
 def _reads(rank: int, world: int, depth: int, microbatches: int, zero: bool) -> list[int]:
