@@ -119,12 +119,7 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[Program]:
             f"interleaved-1f1b needs microbatches to be a multiple of pp (got microbatches={microbatches}, "
             f"pp={pp}): microbatches go through in groups of pp; use microbatches={nearby}, "
             f"or the 1f1b schedule")
-    order_f: list[tuple[int, int]] = []
-    order_b: list[tuple[int, int]] = []
-    for g in range(0, microbatches, pp):
-        group = range(g, min(g + pp, microbatches))
-        order_f += [(mb, c) for c in range(chunks) for mb in group]
-        order_b += [(mb, c) for c in reversed(range(chunks)) for mb in group]
+    order_f, order_b = _groups_of_pp(pp, microbatches, chunks)
     total = len(order_f)
     progs = []
     for r in range(pp):
@@ -133,6 +128,45 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[Program]:
         for k in range(total - warm):
             prog += [_F(*order_f[warm + k]), _B(*order_b[k])]
         prog += [_B(*order_b[k]) for k in range(total - warm, total)]
+        progs.append(prog)
+    return progs
+
+
+def _groups_of_pp(pp: int, microbatches: int, chunks: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The (microbatch, chunk) order of forwards and of backwards of the interleaved schedules: microbatches in
+    groups of pp, each group through chunk 0, then chunk 1, ...; backwards through the chunks in reverse."""
+    order_f: list[tuple[int, int]] = []
+    order_b: list[tuple[int, int]] = []
+    for g in range(0, microbatches, pp):
+        group = range(g, min(g + pp, microbatches))
+        order_f += [(mb, c) for c in range(chunks) for mb in group]
+        order_b += [(mb, c) for c in reversed(range(chunks)) for mb in group]
+    return order_f, order_b
+
+
+def interleaved_zb(pp: int, microbatches: int, chunks: int) -> list[Program]:
+    """Interleaved 1F1B with the backward split (zero-bubble H1 over ``chunks`` looping stages per position).
+
+    The forwards and backwards go in the order of :func:`interleaved_1f1b`, but position r warms up with only
+    (chunks-1)*pp + pp-r-1 forwards (B's are short, so the first gradient comes back sooner), and lets its W's
+    lag its B's by r: it holds at most chunks*pp chunk activations (pp microbatches of its share, 1F1B's first
+    position), the W's filling what the drain leaves idle.
+    """
+    order_f, order_b = _groups_of_pp(pp, microbatches, chunks)
+    total = len(order_f)
+    progs = []
+    for r in range(pp):
+        warm = min(total, (chunks - 1) * pp + pp - r - 1)
+        prog = [_F(*order_f[k]) for k in range(warm)]
+        next_w = 0
+        for k in range(total):
+            if warm + k < total:
+                prog.append(_F(*order_f[warm + k]))
+            prog.append(_B(*order_b[k]))
+            if k >= r or warm + k >= total:
+                prog.append(_W(*order_b[next_w]))
+                next_w += 1
+        prog += [_W(*order_b[k]) for k in range(next_w, total)]
         progs.append(prog)
     return progs
 
@@ -165,9 +199,7 @@ def synthesis_caps(name: str, pp: int, microbatches: int, chunks: int) -> list[i
         return [2 * ((pp + 2) // 2)] * pp
     if name == "v-min":
         return [2 * ((pp + 4) // 3)] * pp
-    # interleaved-zb: interleaved 1F1B's peaks and pp more chunk activations, for the W's to wait in
-    warm = [min(microbatches * chunks, 2 * (pp - r - 1) + (chunks - 1) * pp) + 1 for r in range(pp)]
-    return [w + pp for w in warm]
+    return [chunks * pp] * pp   # interleaved-zb: pp microbatches of the position's share, as interleaved_zb holds
 
 
 def default_chunks(name: str) -> int:
@@ -180,13 +212,15 @@ SYNTHESISED = ("zb-h2", "interleaved-zb", "v-half", "v-min")
 
 
 def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None, *, lag_w: bool = True,
-                   placement: str = "loop", costs: Costs | Sequence[Costs] | None = None) -> Schedule:
+                   placement: str = "loop", costs: Costs | Sequence[Costs] | None = None,
+                   synthesised: bool = False) -> Schedule:
     """A compute-only schedule by name (see ``SCHEDULES``); ValueError says what would work.
 
     ``chunks`` None takes the schedule's own (2 for the interleaved and V ones, else 1); ``placement``
     is for "forward" only (the evaluation program of a training schedule runs on its placement).
-    zb-h2, interleaved-zb, v-half and v-min are synthesised (synth.py) for ``costs`` (per stage: one
-    Costs or one per stage; default f = b = w = 1) under their memory caps.
+    zb-h2, v-half and v-min are synthesised (synth.py) for ``costs`` (per stage: one Costs or one per stage;
+    default f = b = w = 1) under their memory caps; interleaved-zb is :func:`interleaved_zb` when pp divides the
+    microbatches, else (or with ``synthesised``) synthesised under that order's memory cap.
     """
     if chunks is None:
         chunks = default_chunks(name)
@@ -204,16 +238,18 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
                          f"chunks={chunks}); use interleaved-1f1b for several chunks per position")
     if name != "forward":
         placement = PLACEMENT.get(name, "loop")
-    if name in SYNTHESISED:
-        if name == "interleaved-zb" and chunks < 2:
-            raise ValueError(f"interleaved-zb needs chunks >= 2 (got {chunks}); use zb-h1 or zb-h2 for one stage "
-                             f"per position")
+    if name == "interleaved-zb" and chunks < 2:
+        raise ValueError(f"interleaved-zb needs chunks >= 2 (got {chunks}); use zb-h1 or zb-h2 for one stage "
+                         f"per position")
+    structured = name == "interleaved-zb" and microbatches % pp == 0 and not synthesised
+    if name in SYNTHESISED and not structured:
         return synthesise(name, pp, microbatches, chunks, placement, Costs() if costs is None else costs,
                           synthesis_caps(name, pp, microbatches, chunks))
     builders: dict[str, Callable[[], list[Program]]] = {
         "gpipe": lambda: gpipe(pp, microbatches),
         "1f1b": lambda: one_f_one_b(pp, microbatches),
         "interleaved-1f1b": lambda: interleaved_1f1b(pp, microbatches, chunks),
+        "interleaved-zb": lambda: interleaved_zb(pp, microbatches, chunks),
         "zb-h1": lambda: zb_h1(pp, microbatches, lag_w),
         "zbv": lambda: zbv(pp, microbatches),
         "dualpipev": lambda: dualpipev(pp, microbatches),
@@ -235,6 +271,8 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
     builds = [build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs)]
     if name == "zb-h1":
         builds.append(build_schedule(name, pp, microbatches, chunks, lag_w=False))
+    if name == "interleaved-zb" and microbatches % pp == 0:
+        builds.append(build_schedule(name, pp, microbatches, chunks, costs=costs, synthesised=True))
     return shortest_lowering(builds, costs)
 
 

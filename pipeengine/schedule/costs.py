@@ -7,7 +7,7 @@ from typing import Sequence
 
 from .actions import Kind, Schedule
 
-__all__ = ["Costs", "per_stage"]
+__all__ = ["Costs", "per_stage", "boundary_comm"]
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,9 @@ class Costs:
 
     ``b`` is the input-gradient part of backward and ``w`` the weight-gradient part: a schedule
     without W actions runs both in its B (cost b + w), a zero-bubble schedule runs them apart.
-    ``comm`` is the time a matched transfer takes.
+    ``comm`` is the time a matched transfer takes across this stage's boundary with the next stage: its output
+    going on and the gradient of that output coming back (per-stage costs may differ: a slow link, a large
+    activation). A transfer within one position (the turn of the V) takes no time.
     """
 
     f: float = 1.0
@@ -58,3 +60,13 @@ def per_stage(costs: Costs | Sequence[Costs], schedule: Schedule) -> list[list[C
         return [[costs[schedule.stage(p, c)] for c in range(chunks)] for p in range(pp)]
     raise ValueError(f"got {len(costs)} per-position costs for pp={pp}; give one Costs, one per position ({pp})"
                      + (f" or one per stage ({pp * chunks})" if chunks > 1 else ""))
+
+
+def boundary_comm(costs: Costs | Sequence[Costs], schedule: Schedule) -> list[float]:
+    """``comm[s]``: the time of a transfer between stage s and stage s + 1 (0 where both are on one position)."""
+    table = per_stage(costs, schedule)
+    out = []
+    for s in range(schedule.num_stages - 1):
+        (p, c), (q, _) = schedule.placement(s), schedule.placement(s + 1)
+        out.append(table[p][c].comm if p != q else 0.0)
+    return out

@@ -31,16 +31,21 @@ A batch completes as a whole on NCCL (grouped ops), so a batch that joins a tran
 due late holds the early one back, and on a position's one in-order stream everything queued behind it.
 In dualpipev a full B's gradient would share a batch with a forward input the same peer sends much
 later. ``lower(..., by_time=True)`` cuts batches where the witness time changes: a batch holds only
-transfers made at one time. Both ends still post each link's ops in the same order (the keys are the
-same), so the pairing holds; the validator proves it again. ``shortest_lowering`` (builders.py, for
-``compile_schedule`` and auto) lowers both ways and keeps the shorter in simulation (ties: the usual
-batches, fewer steps): dualpipev pp 4 m 8 takes 26.5 instead of 27.5 with unit costs; 1F1B, ZB and ZBV
-are unchanged. On Gloo the extra steps cost nothing
+transfers made at one time. Of the transfers of one time, a position posts first those whose peer is free
+then (in the witness) and last those whose peer is still computing (its receive is posted only when that
+compute ends), each group a batch of its own: a gradient position 3 sends at once is not queued behind an
+output position 1 takes only later. The tie-break depends on the time and the peer alone, so both ends
+still post each link's ops in the same order (the pairing holds); the validator proves it again.
+``shortest_lowering`` (builders.py, for ``compile_schedule`` and auto) lowers both ways and keeps the
+shorter in simulation (ties: the usual batches, fewer steps): dualpipev pp 4 m 8 takes 25.5 instead of 27.5
+with unit costs (26.5 with one batch per time and no tie-break), its data-dependency bound, as at pp 4
+m 16 / 32 and pp 8 m 16 / 32; 1F1B, ZB and ZBV are unchanged. On Gloo the extra steps cost nothing
 because a comm step right after another does not first wait for the earlier sends (``Wire.settle``).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import replace
 from fractions import Fraction
 from math import lcm
@@ -121,6 +126,15 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
     return times
 
 
+def _free_at(spans: list[tuple[Stamp, Stamp]], starts: list[Stamp], t: Stamp) -> Stamp:
+    """The first stamp from ``t`` on at which a position whose computes run over ``spans`` (sorted, with their
+    ``starts``) is not inside one: ``t``, or the end of the compute running across it."""
+    i = bisect_left(starts, t) - 1
+    if i >= 0 and spans[i][0][0] < t[0] < spans[i][1][0]:
+        return spans[i][1]
+    return t
+
+
 def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, by_time: bool = False) -> Schedule:
     """Insert paired, batched send/recv steps into a compute-only schedule (see the module note).
 
@@ -133,14 +147,19 @@ def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, by_t
         return schedule
     check_compute(schedule)
     times = witness_times(schedule, costs)
-    events: list[list[tuple[tuple[int, int, int, int, int, int], Action]]] = [[] for _ in range(schedule.pp)]
+    starts = [[start for start, _ in row] for row in times]
+    events: list[list[tuple[tuple[int, ...], Action]]] = [[] for _ in range(schedule.pp)]
     for p in range(schedule.pp):
         for a, (start, end) in zip(schedule.compute_actions(p), times[p]):
-            events[p].append(((*start, 1, 0, 0, 0), a))
+            events[p].append(((*start, 1, 0, 0, 0, 0, 0), a))
             for send, q, recv in transfers(schedule, p, a):
-                key = (*end, 0, int(a.kind is Kind.B), schedule.stage(p, a.chunk), a.microbatch)
-                events[p].append((key, send))
-                events[q].append((key, recv))
+                rest = (int(a.kind is Kind.B), schedule.stage(p, a.chunk), a.microbatch)
+                if by_time:
+                    events[p].append(((*end, 0, *_free_at(times[q], starts[q], end), *rest), send))
+                    events[q].append(((*end, 0, *_free_at(times[p], starts[p], end), *rest), recv))
+                else:
+                    events[p].append(((*end, 0, 0, 0, *rest), send))
+                    events[q].append(((*end, 0, 0, 0, *rest), recv))
     programs = [_batched(sorted(evs, key=lambda e: e[0]), by_time) for evs in events]
     return replace(schedule, programs=_add_headers(schedule, programs), lowered=True)
 
@@ -152,7 +171,7 @@ def _batched(events: list[tuple[tuple[int, ...], Action]], by_time: bool) -> lis
     batch: list[Action] = []
     when: tuple[int, ...] = ()
     for key, a in events:
-        if a.kind.is_compute or (by_time and batch and key[:2] != when):
+        if a.kind.is_compute or (by_time and batch and key[:5] != when):
             if batch:
                 prog.append(tuple(batch))
                 batch = []
@@ -160,7 +179,7 @@ def _batched(events: list[tuple[tuple[int, ...], Action]], by_time: bool) -> lis
             prog.append((a,))
         else:
             batch.append(a)
-            when = key[:2]
+            when = key[:5]
     if batch:
         prog.append(tuple(batch))
     return prog

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .actions import Action, Kind, Schedule, Step
-from .costs import Costs, per_stage
-from .dataflow import dependency, partner, raise_cycle
+from .costs import Costs, boundary_comm, per_stage
+from .dataflow import dependency, partner, raise_cycle, transfer_id
 from .lower import lower, witness_times
 
 __all__ = ["SimResult", "simulate", "in_flight_peaks", "stage_peaks", "Dataflow"]
@@ -98,6 +98,12 @@ class _Run:
         self.partners: list[dict[Action, Action]] = [
             {a: partner(schedule, p, a) for step in prog for a in step if not a.kind.is_compute}
             for p, prog in enumerate(self.progs)]
+        comm = boundary_comm(costs, schedule)
+        # each comm action's transfer time: that of the boundary it crosses (below a forward producer, above a
+        # backward one)
+        self.comm: list[dict[Action, float]] = [
+            {a: comm[stage if d != "B" else stage - 1] for a in partners
+             for d, _, stage in (transfer_id(schedule, p, a),)} for p, partners in enumerate(self.partners)]
         self.pc = [0] * self.n
         self.clock = [0.0] * self.n
         self.busy = [0.0] * self.n
@@ -160,7 +166,7 @@ class _Rendezvous(_Run):
             q, other = a.peer, self.partners[p][a]
             post_q = self.posted[q]
             if post_q is not None and self.where[q].get(other) == self.pc[q]:
-                self.matched[(p, a)] = self.matched[(q, other)] = max(post_p, post_q) + self.costs[p][0].comm
+                self.matched[(p, a)] = self.matched[(q, other)] = max(post_p, post_q) + self.comm[p][a]
         if not all((p, a) in self.matched for a in step):
             return False
         end = max([self.clock[p]] + [self.matched[(p, a)] for a in step])
@@ -236,7 +242,7 @@ class _Async(_Run):
                 q, other = a.peer, self.partners[p][a]
                 start_q = self.head_start(q)
                 if start_q is not None and self.comm_steps[q][self.head[q]] == self.where[q].get(other):
-                    self.matched[(p, a)] = self.matched[(q, other)] = max(start, start_q) + self.costs[p][0].comm
+                    self.matched[(p, a)] = self.matched[(q, other)] = max(start, start_q) + self.comm[p][a]
             if not all((p, a) in self.matched for a in self.progs[p][idx]):
                 break
             end = max([start] + [self.matched[(p, a)] for a in self.progs[p][idx]])
@@ -278,8 +284,9 @@ class Dataflow:
         split = schedule.split_backwards()
         acts = [schedule.compute_actions(p) for p in range(schedule.pp)]
         ids: dict[tuple[int, Action], int] = {}
-        # per action in dependency order: (position, cost slot (p * chunks + c) * 4 + kind, needed id | -1, cross);
-        # kind 0 F, 1 B of a split backward, 2 W, 3 B of a full backward (b + w)
+        # per action in dependency order: (position, cost slot (p * chunks + c) * 4 + kind, needed id | -1, the
+        # boundary its input crosses to another position | -1); kind 0 F, 1 B of a split backward, 2 W, 3 B of a
+        # full backward (b + w)
         self._slots: list[tuple[int, int, int, int]] = []
         self.count = [[[0, 0, 0, 0] for _ in range(schedule.chunks)] for _ in range(schedule.pp)]
         pc = [0] * schedule.pp
@@ -294,8 +301,10 @@ class Dataflow:
                         break
                     k = (0 if a.kind is Kind.F else 2 if a.kind is Kind.W
                          else 1 if (p, a.microbatch, a.chunk) in split else 3)
+                    stage = schedule.stage(p, a.chunk)
+                    crossing = (-1 if dep is None or dep[0] == p else stage - 1 if a.kind is Kind.F else stage)
                     self._slots.append((p, (p * schedule.chunks + a.chunk) * 4 + k, ids[dep] if dep is not None else -1,
-                                        int(dep is not None and dep[0] != p)))
+                                        crossing))
                     self.count[p][a.chunk][k] += 1
                     ids[(p, a)] = len(ids)
                     pc[p] += 1
@@ -313,14 +322,17 @@ class Dataflow:
         return [sum(n * d for cnt, (f, b, w) in zip(self.count[p], table[p]) for n, d in zip(cnt, (f, b, w, b + w)))
                 for p in range(self.schedule.pp)]
 
-    def makespan(self, table: list[list[tuple[float, float, float]]], comm: float = 0.0) -> float:
+    def makespan(self, table: list[list[tuple[float, float, float]]], comm: float | Sequence[float] = 0.0) -> float:
+        """``comm``: one transfer time for every boundary, or one per boundary (``comm[s]``: between stage s and
+        s + 1, as :func:`~pipeengine.schedule.costs.boundary_comm` gives them)."""
         flat = [d for row in table for f, b, w in row for d in (f, b, w, b + w)]   # slot (p * chunks + c) * 4 + kind
+        hop = [comm] * max(0, self.schedule.num_stages - 1) if isinstance(comm, (int, float)) else list(comm)
         end = [0.0] * len(self._slots)
         clock = [0.0] * self.schedule.pp
-        for i, (p, slot, dep, cross) in enumerate(self._slots):
+        for i, (p, slot, dep, crossing) in enumerate(self._slots):
             t = clock[p]
             if dep >= 0:
-                ready = end[dep] + comm if cross else end[dep]
+                ready = end[dep] + hop[crossing] if crossing >= 0 else end[dep]
                 if ready > t:
                     t = ready
             t += flat[slot]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .actions import Action, Kind, Schedule, ScheduleError, steps_of
-from .costs import Costs, per_stage
+from .costs import Costs, boundary_comm, per_stage
 
 __all__ = ["greedy", "synthesise"]
 
@@ -38,7 +38,7 @@ class _Greedy:
         shape = Schedule("synth", pp, microbatches, chunks, [], placement_kind=placement)
         self.pp, self.m, self.cap = pp, microbatches, list(cap)
         self.table = per_stage(costs, shape)
-        self.comm = self.table[0][0].comm
+        self.comm = boundary_comm(costs, shape)   # [s]: a transfer between stage s and s + 1
         stages = pp * chunks
         self.last = stages - 1
         self.where = [shape.placement(s) for s in range(stages)]
@@ -56,7 +56,7 @@ class _Greedy:
         self.b_sign = -1 if b_first == "high" else 1
 
     def _arrival(self, end: float, producer: int, consumer: int) -> float:
-        return end + (self.comm if self.where[producer][0] != self.where[consumer][0] else 0.0)
+        return end + self.comm[min(producer, consumer)]
 
     def f_ready(self, s: int) -> float | None:
         """When stage s's next F may start (None: not known yet, or none left)."""
