@@ -17,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..schedule import Costs, Schedule, compile_schedule, simulate
+from ..schedule import Schedule, compile_schedule, simulate
 from ..schedule.builders import shortest_lowering, synthesis_caps
 from ..schedule.simulate import in_flight_peaks
 from ..schedule.synth import synthesise
-from .planner import Choice, LayerCost, PartitionError, choose_bounds, position_sizes
+from .links import Links
+from .measured import Choice, LayerCost, position_sizes
+from .planner import PartitionError, choose_bounds
 
 __all__ = ["AutoChoice", "auto_schedule", "lower_bound", "fill_bound", "LIBRARY"]
 
@@ -48,6 +50,7 @@ class AutoChoice:
     fill: float = 0.0     # fill_bound: >= bound, still below every schedule of this split and placement
     library: str = ""     # the library schedule of this placement and split (what other microbatch counts run)
     winner: str = ""      # the candidate chosen: a library schedule's name or "synthesised (placement, chunks)"
+    comm: list[float] = field(default_factory=list)   # [s]: a transfer between stage s and s + 1 (links.py)
 
     @property
     def gap(self) -> float:
@@ -75,27 +78,37 @@ class AutoChoice:
         costs' own units)."""
         def t(x: float) -> str:
             return f"{1e3 * x:.2f} ms" if unit == "ms" else f"{x:g} {unit}"
+        with_links = " (compute and transfers)" if any(self.comm) else ""
         lines = [f"schedule auto: {self.chosen()}, bounds {self.bounds}",
-                 f"  simulated step {t(self.makespan)}, lower bound {t(self.bound)} (gap {self.gap:.3f}x); with the "
-                 f"fill {t(self.fill)} (gap {self.fill_gap:.3f}x)"]
+                 f"  simulated step{with_links} {t(self.makespan)}, lower bound {t(self.bound)} (gap {self.gap:.3f}x); "
+                 f"with the fill {t(self.fill)} (gap {self.fill_gap:.3f}x)"]
         for name, x in self.candidates.items():
             lines.append(f"  {name:<28} " + ("does not fit / apply" if x is None else t(x)))
         return "\n".join(lines)
 
 
+def _hops(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule,
+          comm: float | Sequence[float]) -> list[float]:
+    """[s]: the transfer time between stage s and s + 1 (0 on one position); ``comm`` one for all or one each."""
+    each = [comm] * (len(stage_costs) - 1) if isinstance(comm, (int, float)) else list(comm)
+    return [each[s] if schedule.placement(s)[0] != schedule.placement(s + 1)[0] else 0.0
+            for s in range(len(stage_costs) - 1)]
+
+
 def lower_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule, microbatches: int,
-                comm: float = 0.0) -> float:
-    """max(busiest position's work, one microbatch's critical path) for a split and placement."""
+                comm: float | Sequence[float] = 0.0) -> float:
+    """max(busiest position's work, one microbatch's critical path) for a split and placement (``comm``: the
+    transfer time, one for all boundaries or one per boundary)."""
     work = [0.0] * schedule.pp
     for s, (f, b, w) in enumerate(stage_costs):
         work[schedule.placement(s)[0]] += microbatches * (f + b + w)
-    hops = sum(1 for s in range(len(stage_costs) - 1) if schedule.placement(s)[0] != schedule.placement(s + 1)[0])
-    path = sum(f + b for f, b, _ in stage_costs) + 2 * hops * comm + stage_costs[0][2]   # then W of stage 0
+    hops = _hops(stage_costs, schedule, comm)
+    path = sum(f + b for f, b, _ in stage_costs) + 2 * sum(hops) + stage_costs[0][2]   # then W of stage 0
     return max(max(work), path)
 
 
 def fill_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule, microbatches: int,
-               comm: float = 0.0) -> float:
+               comm: float | Sequence[float] = 0.0) -> float:
     """:func:`lower_bound`, raised by what every position must wait for, whatever the order (a step bound).
 
     Nothing runs on position p before microbatch 0's forward reaches its lowest stage s (head: F of the
@@ -106,9 +119,10 @@ def fill_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Sche
     """
     n = len(stage_costs)
     where = [schedule.placement(s)[0] for s in range(n)]
+    hops = _hops(stage_costs, schedule, comm)
     reach = [0.0] * n   # when stage s's first F may start, at the earliest
     for s in range(1, n):
-        reach[s] = reach[s - 1] + stage_costs[s - 1][0] + (comm if where[s] != where[s - 1] else 0.0)
+        reach[s] = reach[s - 1] + stage_costs[s - 1][0] + hops[s - 1]
     below = [sum(b for _, b, _ in stage_costs[:s]) for s in range(n)]   # B chain under stage s
     best = lower_bound(stage_costs, schedule, microbatches, comm)
     for p in range(schedule.pp):
@@ -143,14 +157,15 @@ def _cap_options(choice: Choice, schedule: Schedule, costs: Sequence[LayerCost],
 
 
 def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory_cap: float | None = None,
-                  comm: float = 0.0, state_factor: float = 4.0) -> AutoChoice:
-    """The schedule and split with the shortest simulated step (see the module docstring)."""
+                  links: Links | None = None, state_factor: float = 4.0) -> AutoChoice:
+    """The schedule and split with the shortest simulated step (see the module docstring); ``links``: what a
+    transfer between neighbours costs (links.py; None: free)."""
     chosen: dict[str, tuple[Choice, Schedule]] = {}
     candidates: dict[str, float | None] = {}
     for name, chunks in LIBRARY:
         try:
             sched = compile_schedule(name, pp, microbatches, chunks)
-            choice = choose_bounds(costs, sched, memory_cap, state_factor, budget=SEARCH_BUDGET)
+            choice = choose_bounds(costs, sched, memory_cap, state_factor, budget=SEARCH_BUDGET, links=links)
         except (ValueError, PartitionError):   # does not apply (m, layers) or no split fits the cap
             candidates[name] = None
             continue
@@ -165,7 +180,7 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
             candidates[label] = None
             continue
         choice, base = min(planned, key=lambda cs: cs[0].makespan)
-        stage = [Costs(f, b, w, comm) for f, b, w in choice.stage_costs]
+        stage = choice.costs()
         default = synthesis_caps("zb-h2" if chunks == 1 else "zbv" if placement == "v" else "interleaved-zb", pp,
                                  microbatches, chunks)
         made = []
@@ -187,8 +202,8 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
                              f"--memory-cap, use more pipeline positions or recompute (--recompute full)")
     # the shortest; on a tie a library schedule (known, proven in the tests) before a synthesised order
     makespan, name, sched, choice = min(results, key=lambda r: (r[0], r[1].startswith("synth"), r[1]))
-    bound = lower_bound(choice.stage_costs, sched, microbatches, comm)
+    bound = lower_bound(choice.stage_costs, sched, microbatches, choice.comm)
     library = name if name in chosen else next(n for n, (c, _) in chosen.items() if c is choice)
     return AutoChoice(sched, list(choice.bounds), list(choice.stage_costs), makespan, bound,
                       _memory(choice.bounds, sched, costs, state_factor), candidates,
-                      fill_bound(choice.stage_costs, sched, microbatches, comm), library, name)
+                      fill_bound(choice.stage_costs, sched, microbatches, choice.comm), library, name, choice.comm)

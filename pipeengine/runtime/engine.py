@@ -22,6 +22,7 @@ from .faults import adaptive_timeout, watch
 from .device import default_device
 from .grad_sync import final_gradients
 from .layers import LayerSpec
+from .links import links_for
 from .local import LocalModel
 from .microbatches import read_microbatches
 from .numerics import NonFiniteError
@@ -77,6 +78,8 @@ class PipelineEngine:
             None: on CUDA only (see [Note: gradient all-reduce inside backward] for why not on CPU).
         shard_optimizer: ZeRO-1, the optimizer state sharded over each stage's data-parallel group
             (zero.py; a no-op at dp 1); the optimizer must update elements on their own (SGD, Adam, AdamW...).
+        link_gbps: with ``partition="profile"``, every pipeline link's bandwidth in Gbit/s instead of measuring
+            each neighbour link at start ([Note: links in the plan] in links.py).
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -89,7 +92,7 @@ class PipelineEngine:
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, seed: int = 0, recompute: str = "none", precision: str = "fp32",
                  wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
-                 shard_optimizer: bool = False, boundary_dtype: str = "fp32") -> None:
+                 shard_optimizer: bool = False, boundary_dtype: str = "fp32", link_gbps: float | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -111,7 +114,8 @@ class PipelineEngine:
                    "microbatches": counts, "chunks": chunks, "partition": partition, "precision": precision,
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
-                   "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype})
+                   "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps},
+            links=links_for(self.topology, self.device, link_gbps))
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
         self.microbatches = self.schedule.microbatches   # this replica's
         counts = list(self.plan.counts or [self.microbatches] * self.topology.dp)

@@ -9,18 +9,19 @@ with the measured costs. Rank 0 decides the bounds; a failure on any rank is rai
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..schedule import Costs, Schedule, compile_schedule, validate
+from ..schedule import Costs, Schedule, compile_schedule, simulate, validate
 from .agree import decided_by_rank0, settings_mismatch
 from .layers import LayerSpec, fingerprint, model_mismatch, sizing_layers
 from . import planner
 from .auto import AutoChoice, auto_schedule
-from .planner import Choice
+from .links import Links
+from .measured import Choice
 from .profile import profile_shares
 
 __all__ = ["Plan", "make_plan"]
@@ -48,6 +49,7 @@ class Plan:
     # the (training, evaluation) schedules of the other counts: the same kind, placement, chunks and split
     counts: tuple[int, ...] = ()
     others: Mapping[int, tuple[Schedule, Schedule]] = field(default_factory=dict, compare=False)
+    links: Links | None = field(default=None, compare=False)   # what the planner took a transfer to cost
 
     @property
     def num_stages(self) -> int:
@@ -83,7 +85,7 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
               sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, seed: int = 0,
               precision: str = "fp32", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
               device: torch.device | None = None, validate_schedule: bool = True,
-              agree: Mapping[str, Any] | None = None) -> Plan:
+              agree: Mapping[str, Any] | None = None, links: Links | Callable[[], Links] | None = None) -> Plan:
     """The plan every rank uses (collective; see the module docstring).
 
     Args:
@@ -103,6 +105,9 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         seed, precision, loss_fn, device: as the engine builds and runs the layers (for profiling).
         agree: more settings that must be equal on every rank (compared with the model, in the same
             collective).
+        links: with ``partition="profile"``, what a transfer between neighbours costs (links.py: stated, or a
+            collective that measures them, called on every rank once they agree on the settings); the split,
+            auto's choice and the predicted step count the transfers. None: free.
     """
     auto = schedule == "auto" and pp > 1
     counts = _counts(microbatches, schedule)
@@ -110,37 +115,48 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     compiled = _compiled(schedule, pp, microbatches, chunks, costs, validate_schedule, partition, uneven)
     sizing = sizing_layers(layers)
     _check_same_everywhere(seed, sizing, dict(agree or {}))
-    measured = []
+    measured, linked = [], None
     if partition == "profile" and compiled.num_stages > 1:
         if loss_fn is None:
             raise ValueError("partition='profile' times the loss too: pass loss_fn")
+        if pp > 1:
+            linked = links() if callable(links) else links
         measured = profile_shares(layers, seed, sample, loss_fn, device or torch.device("cpu"), precision,
                                   compiled.split_backward)
-    decided = decided_by_rank0(lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap))
+    decided = decided_by_rank0(lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap, linked))
     choice = decided if isinstance(decided, Choice) else None
     chosen = decided if isinstance(decided, AutoChoice) else None
     bounds = tuple(decided if isinstance(decided, list) else decided.bounds)
     if chosen is not None:   # lowered with the measured per-stage costs already
         compiled = chosen.schedule
     elif choice is not None and isinstance(schedule, str) and costs is None:
-        costs = choice.mean_costs()   # the communication order (and zb-h1's variant) from the measured costs
-        compiled = _by_count(schedule, pp, microbatches, chunks, costs, uneven)
+        costs, compiled, choice = _relowered(choice, schedule, pp, microbatches, chunks, uneven)
     kind = chosen.library if chosen is not None else compiled.name   # what the other counts run
     schedules = {c: (compiled if c == microbatches else _by_count(kind, pp, c, compiled.chunks, costs, True),
                      compile_schedule("forward", pp, c, compiled.chunks, placement=compiled.placement_kind))
                  for c in set(counts)}
     params = tuple(len(list(m.parameters())) for m in sizing)
     return Plan(compiled, schedules[microbatches][1], bounds, len(layers), costs, choice, params, chosen,
-                tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches})
+                tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches},
+                linked)
+
+
+def _relowered(choice: Choice, schedule: str, pp: int, microbatches: int, chunks: int | None,
+               uneven: bool) -> tuple[Costs, Schedule, Choice]:
+    """The schedule lowered with the measured costs (the communication order, zb-h1's variant), and the choice with
+    the predicted step of that program (the planner simulated the one lowered with unit costs)."""
+    costs = choice.mean_costs()
+    compiled = _by_count(schedule, pp, microbatches, chunks, costs, uneven)
+    return costs, compiled, replace(choice, makespan=simulate(compiled, choice.costs()).makespan)
 
 
 def _decide(measured: Sequence[Any], sizing: Sequence[Any], compiled: Schedule, partition: str | Sequence[int],
-            auto: bool, memory_cap: float | None) -> list[int] | Choice | AutoChoice:
+            auto: bool, memory_cap: float | None, links: Links | None) -> list[int] | Choice | AutoChoice:
     """Rank 0's choice of the bounds (and, for auto, of the schedule)."""
     if measured and auto:
-        return auto_schedule(measured, compiled.pp, compiled.microbatches, memory_cap)
+        return auto_schedule(measured, compiled.pp, compiled.microbatches, memory_cap, links)
     if measured:
-        return planner.choose_bounds(measured, compiled, memory_cap)
+        return planner.choose_bounds(measured, compiled, memory_cap, links=links)
     if partition == "profile":
         return [0, len(sizing)]
     if isinstance(partition, str):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 
 from ..schedule import Costs, Schedule, simulate
 from ..schedule.simulate import Dataflow
+from .links import Links
+from .measured import Choice, LayerCost, position_sizes
 
 if TYPE_CHECKING:   # the planner itself is torch-free: the schedule tool plans from given costs with it
     from torch import nn
@@ -128,81 +129,13 @@ def describe(layers: Sequence[nn.Module], bounds: Sequence[int]) -> str:
 
 # --------------------------------------------------------------------------- by measured cost
 
-@dataclass
-class LayerCost:
-    """One layer on one microbatch, as the engine runs it: seconds of F, of B and W (split backward, see
-    stage.py) and of the fused backward, the bytes it keeps for backward (its output included) and the
-    bytes of its parameters."""
-
-    f: float
-    b: float
-    w: float
-    fused: float
-    activation_bytes: int
-    param_bytes: int
-    noise: float = 0.0   # the spread of its timed runs: interquartile range / median of F + B + W
-    kind: str = ""       # layers of one kind (same modules, parameters and input shapes) cost the same
-
-    @property
-    def total(self) -> float:
-        return self.f + self.b + self.w
-
-    def phases(self, split: bool) -> tuple[float, float, float]:
-        """(f, b, w) as the simulator takes them: without a split, B runs b + w = the fused backward."""
-        return (self.f, self.b, self.w) if split else (self.f, max(0.0, self.fused - self.w), self.w)
-
-
-@dataclass
-class Choice:
-    """What the profile partition chose: bounds, the per-stage costs (seconds per microbatch) and the
-    simulated step (seconds, compute only) and peak memory estimate per position (bytes)."""
-
-    bounds: list[int]
-    stage_costs: list[tuple[float, float, float]]
-    makespan: float
-    memory: list[float]
-    candidates: int
-    split: bool = False   # the schedule splits backward into B and W
-    kept_equal: str = ""  # why the equal split was kept over a faster-looking one (its gain was noise)
-
-    def mean_costs(self) -> Costs:
-        """One stage's average F, B and W: what the schedule is lowered with."""
-        n = len(self.stage_costs)
-        return Costs(*(sum(c[k] for c in self.stage_costs) / n for k in range(3)))
-
-    def describe(self, schedule_name: str) -> str:
-        lines = [f"partition profile: bounds {self.bounds} ({self.candidates} splits scored), "
-                 f"predicted compute per step {1e3 * self.makespan:.1f} ms with {schedule_name}"]
-        if self.kept_equal:
-            lines.append(f"  {self.kept_equal}")
-        for s, (f, b, w) in enumerate(self.stage_costs):
-            back = f"B {1e3 * b:.2f} ms  W {1e3 * w:.2f} ms" if self.split else f"backward {1e3 * (b + w):.2f} ms"
-            lines.append(f"  stage {s}: layers {self.bounds[s]}..{self.bounds[s + 1] - 1}  per microbatch "
-                         f"F {1e3 * f:.2f} ms  {back}")
-        lines.append("  model memory estimate per position (4 x parameters + activations in flight; not the "
-                     "process's baseline): " + ", ".join(f"{m / 2**30:.2f} GiB" for m in self.memory))
-        return "\n".join(lines)
-
-
-def position_sizes(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule) -> list[tuple[float, float]]:
-    """Per position of ``schedule``: (its parameter bytes, the activation bytes of its largest stage) for a split.
-
-    The memory estimate everywhere is state_factor x the first + peak chunk activations in flight x the second."""
-    params = [0.0] * schedule.pp
-    act = [0.0] * schedule.pp
-    for s in range(schedule.num_stages):
-        p = schedule.placement(s)[0]
-        layers = costs[bounds[s]:bounds[s + 1]]
-        params[p] += sum(c.param_bytes for c in layers)
-        act[p] = max(act[p], float(sum(c.activation_bytes for c in layers)))
-    return list(zip(params, act))
-
 
 class _Splits:
     """Contiguous splits of measured layers into a schedule's stages: their stage costs, memory and scores."""
 
-    def __init__(self, costs: Sequence[LayerCost], schedule: Schedule, state_factor: float) -> None:
-        self.costs, self.schedule, self.state_factor = costs, schedule, state_factor
+    def __init__(self, costs: Sequence[LayerCost], schedule: Schedule, state_factor: float,
+                 links: Links | None = None) -> None:
+        self.costs, self.schedule, self.state_factor, self.links = costs, schedule, state_factor, links
         self.n, self.stages = len(costs), schedule.num_stages
         self.split = split = schedule.split_backward
         phases = [c.phases(split) for c in costs]
@@ -228,6 +161,14 @@ class _Splits:
         t = self.prefix[3]
         return max(t[b] - t[a] for a, b in zip(bounds, bounds[1:]))
 
+    def comm(self, bounds: Sequence[int]) -> list[float]:
+        """[s]: seconds of a transfer between stage s and s + 1 (its last layer's output over their link)."""
+        if self.links is None:
+            return [0.0] * (self.stages - 1)
+        where = [self.schedule.placement(s)[0] for s in range(self.stages)]
+        return [self.links.seconds(where[s], where[s + 1], self.costs[bounds[s + 1] - 1].output_bytes)
+                for s in range(self.stages - 1)]
+
     def stage_costs(self, bounds: Sequence[int]) -> list[tuple[float, float, float]]:
         f, b, w = self.prefix[:3]
         return [(f[z] - f[a], b[z] - b[a], w[z] - w[a]) for a, z in zip(bounds, bounds[1:])]
@@ -245,23 +186,24 @@ class _Splits:
     def quick(self, bounds: Sequence[int]) -> float:
         """The makespan under data dependencies alone (the search's score, see Dataflow)."""
         self.scored += 1
-        return self.timer.makespan(self._table(bounds))
+        return self.timer.makespan(self._table(bounds), self.comm(bounds))
 
     def exact(self, bounds: Sequence[int]) -> float:
         """The simulated makespan of the lowered schedule with each stage's own costs."""
         self.scored += 1
-        return simulate(self.schedule, [Costs(*c) for c in self.stage_costs(bounds)]).makespan
+        comm = self.comm(bounds) + [0.0]
+        return simulate(self.schedule, [Costs(*c, comm[s]) for s, c in enumerate(self.stage_costs(bounds))]).makespan
 
     def choice(self, bounds: Sequence[int], makespan: float) -> Choice:
         return Choice(list(bounds), self.stage_costs(bounds), makespan, self.memory(bounds), self.scored,
-                      self.schedule.split_backward)
+                      self.schedule.split_backward, comm=self.comm(bounds))
 
 
 EXACT_LIMIT = 2000   # splits: up to this many, every one is considered (pruned by its lower bound)
 
 
 def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: float | None = None,
-                  state_factor: float = 4.0, budget: int = 2000) -> Choice:
+                  state_factor: float = 4.0, budget: int = 2000, links: Links | None = None) -> Choice:
     """Contiguous stage bounds minimising the simulated makespan of ``schedule`` with these layer costs.
 
     Every stage is simulated with its own costs (never a position's mean: one position's chunks of
@@ -274,12 +216,14 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: fl
     A position's memory is estimated as ``state_factor`` x its parameter bytes (parameter, gradient,
     two Adam moments) plus its schedule's peak of microbatches in flight x the activation bytes of a
     microbatch; with ``memory_cap`` (bytes) no split above it is chosen. Ties go to the split with the
-    smaller slowest stage, then to the earlier bounds.
+    smaller slowest stage, then to the earlier bounds. With ``links`` every transfer takes its link's time for
+    the boundary layer's output ([Note: links in the plan], links.py), so a boundary may move to where the
+    activation is small or the link fast.
     """
     n, stages = len(costs), schedule.num_stages
     if n < stages:
         raise PartitionError(f"{n} layers cannot fill {stages} stages (each stage needs >= 1 layer)")
-    splits = _Splits(costs, schedule, state_factor)
+    splits = _Splits(costs, schedule, state_factor, links)
     best = (_exhaustive(splits, memory_cap) if math.comb(n - 1, stages - 1) <= EXACT_LIMIT
             else _local_search(splits, memory_cap, budget=budget))
     return _unless_noise(splits, best, memory_cap, noise(costs))

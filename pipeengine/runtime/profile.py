@@ -12,6 +12,7 @@ import hashlib
 import os
 import statistics
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -133,8 +134,7 @@ def shared_costs(costs: Sequence[LayerCost]) -> tuple[list[LayerCost], list[str]
     for members in (m for m in groups.values() if len(m) > 1):
         mine = [costs[i] for i in members]
         f, b, w, fused = (statistics.median(getattr(c, k) for c in mine) for k in ("f", "b", "w", "fused"))
-        one = LayerCost(f, b, w, fused, activation_bytes=mine[0].activation_bytes, param_bytes=mine[0].param_bytes,
-                        noise=statistics.median(c.noise for c in mine), kind=mine[0].kind)
+        one = replace(mine[0], f=f, b=b, w=w, fused=fused, noise=statistics.median(c.noise for c in mine))
         totals = [c.total for c in mine]
         apart = max(totals) / max(min(totals), 1e-12) - 1
         if apart > max(0.25, 3 * one.noise):
@@ -171,7 +171,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         out_bytes = sum(t.numel() * t.element_size() for t in flat(timer.out)) if timer.out is not None else 0
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
                                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                               noise=spread, kind=layer_kind(layer, x, timer.kind)))
+                               noise=spread, kind=layer_kind(layer, x, timer.kind), output_bytes=out_bytes))
         x = timer.out
     return costs
 

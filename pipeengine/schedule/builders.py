@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from .actions import Action, Kind, Schedule, ScheduleError, steps_of
-from .costs import Costs
+from .costs import Costs, boundary_comm
 from .lower import lower
 from .simulate import simulate
 from .synth import synthesise
@@ -278,15 +278,17 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
 
 def shortest_lowering(orders: Sequence[Schedule], costs: Costs | Sequence[Costs] | None = None) -> Schedule:
     """Of compute-only ``orders``, each lowered with the usual batches and with batches of one witness time
-    (lower.py, [Note: batches by time]), the one shortest in simulation with ``costs`` that the validator proves;
+    (lower.py, [Note: batches by time]), and where transfers cost time also from a witness that counts them, the
+    one shortest in simulation with ``costs`` that the validator proves;
     ties go to the earlier order and to the usual batches (fewer steps). Raises the validator's error if none is
     proven."""
     variants: list[Schedule] = []
+    comm = costs is not None and any(boundary_comm(costs, orders[0])) if orders else False
     for order in orders:
-        variants.append(lower(order, costs))
-        by_time = lower(order, costs, by_time=True)
-        if by_time.programs != variants[-1].programs:
-            variants.append(by_time)
+        for with_comm in (False, True) if comm else (False,):
+            usual = lower(order, costs, with_comm=with_comm)
+            by_time = lower(order, costs, by_time=True, with_comm=with_comm)
+            variants += [v for v in (usual, by_time) if all(v.programs != u.programs for u in variants)]
     if len(variants) > 1:
         c = costs or Costs()
 

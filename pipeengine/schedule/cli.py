@@ -184,18 +184,20 @@ def _layer_costs(args: argparse.Namespace) -> list[tuple[float, float, float]]:
 def _auto(args: argparse.Namespace) -> int:
     """--schedule auto from given per-layer costs: what the trainer's auto would choose, and its timeline."""
     from ..runtime.auto import auto_schedule   # an entry point may plan with the runtime's planner (torch-free)
+    from ..runtime.links import fixed_links
     from ..runtime.planner import LayerCost, PartitionError
     try:
         layers = _layer_costs(args)
         choice = auto_schedule([LayerCost(f, b, w, b + w, 0, 0) for f, b, w in layers], args.pp, args.microbatches,
-                               comm=args.comm)
+                               links=fixed_links(args.pp, args.comm) if args.comm else None)
     except OSError as exc:
         print(f"error: cannot read --costs: {exc}", file=sys.stderr)
         return 2
     except (ValueError, PartitionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = simulate(choice.schedule, [Costs(f, b, w, args.comm) for f, b, w in choice.stage_costs])
+    stages = zip(choice.stage_costs, choice.comm + [0.0])
+    result = simulate(choice.schedule, [Costs(f, b, w, c) for (f, b, w), c in stages])
     print(render_timeline(result, args.width))
     print()
     print(choice.describe(unit="units"))

@@ -61,24 +61,27 @@ Stamp = tuple[int, int]   # (tick, tier), compared lexicographically
 
 
 def _ticks(schedule: Schedule, costs: Costs | Sequence[Costs] | None) -> list[list[dict[Kind | None, int]]]:
-    """Each stage's durations in exact integer ticks, as ``[position][chunk]``: F, B and W of a split backward, and
-    under the key None a full backward's B (b + w) (see :func:`witness_times`)."""
-    kinds: tuple[Kind | None, ...] = (Kind.F, Kind.B, Kind.W, None)
+    """Each stage's durations in exact integer ticks, as ``[position][chunk]``: F, B and W of a split backward,
+    under the key None a full backward's B (b + w), under SEND_F its transfer to the next stage (see
+    :func:`witness_times`)."""
+    kinds: tuple[Kind | None, ...] = (Kind.F, Kind.B, Kind.W, None, Kind.SEND_F)
     table = per_stage(Costs() if costs is None else costs, schedule)
-    durations = [[[c.f, c.b, c.w, c.of(Kind.B, split=False)] for c in row] for row in table]
+    durations = [[[c.f, c.b, c.w, c.of(Kind.B, split=False), c.comm] for c in row] for row in table]
     unit = max([d for row in durations for st in row for d in st if d > 0], default=1.0)
     exact = [[[Fraction(d / unit).limit_denominator(10**6) for d in st] for st in row] for row in durations]
     per_tick = lcm(*(x.denominator for row in exact for st in row for x in st))
     return [[{k: int(x * per_tick) for k, x in zip(kinds, st)} for st in row] for row in exact]
 
 
-def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None) -> list[list[tuple[Stamp, Stamp]]]:
+def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None,
+                  with_comm: bool = False) -> list[list[tuple[Stamp, Stamp]]]:
     """(start, end) stamps of every compute action under data dependencies with ``costs``.
 
     ``costs`` is one Costs for all stages, one per position or one per stage, as for ``simulate``; None means
-    unit costs (F = B = W = 1; the B of a full backward, one without its W, takes 2). ``comm`` is not modelled: a
-    consumer may start when its producer ends (adding comm delays here, with no model of each
-    position's in-order comm queue, gave worse orders in simulation than leaving them out).
+    unit costs (F = B = W = 1; the B of a full backward, one without its W, takes 2). ``comm`` is modelled only
+    ``with_comm`` (a consumer on another position starts a transfer after its producer ends); else a consumer
+    may start when its producer ends (without a model of each position's in-order comm queue, the delays alone
+    give worse orders in simulation as often as better: ``shortest_lowering`` tries both).
 
     Time is counted exactly, in integer ticks: each duration, relative to the largest one, is
     taken as the nearest fraction with denominator <= 10**6 (1/3 for 0.333..., 1/10 for 0.1),
@@ -105,7 +108,13 @@ def witness_times(schedule: Schedule, costs: Costs | Sequence[Costs] | None = No
                 dep = dependency(schedule, p, a)
                 if dep is not None and dep not in end_of:
                     break
-                start = max(clock[p], end_of[dep]) if dep is not None else clock[p]
+                start = clock[p]
+                if dep is not None:
+                    ready = end_of[dep]
+                    if with_comm and dep[0] != p:   # the boundary crossed: below the later stage of the two
+                        q, c = schedule.placement(min(schedule.stage(p, a.chunk), schedule.stage(dep[0], dep[1].chunk)))
+                        ready = (ready[0] + ticks[q][c][Kind.SEND_F], ready[1])
+                    start = max(start, ready)
                 full = a.kind is Kind.B and (p, a.microbatch, a.chunk) not in split
                 d = ticks[p][a.chunk][None if full else a.kind]
                 end = (start[0] + d, 0) if d > 0 else (start[0], start[1] + 1)
@@ -135,18 +144,20 @@ def _free_at(spans: list[tuple[Stamp, Stamp]], starts: list[Stamp], t: Stamp) ->
     return t
 
 
-def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, by_time: bool = False) -> Schedule:
+def lower(schedule: Schedule, costs: Costs | Sequence[Costs] | None = None, by_time: bool = False,
+          with_comm: bool = False) -> Schedule:
     """Insert paired, batched send/recv steps into a compute-only schedule (see the module note).
 
     The order comes from a witness execution with ``costs`` (one Costs for all stages, one per
     position or one per stage, as for ``simulate``); None means unit costs. Lower with the costs you will run
     with: the order of transfers, and so the makespan, depends on them. ``by_time``: a batch holds only
-    transfers of one witness time (see [Note: batches by time]).
+    transfers of one witness time (see [Note: batches by time]); ``with_comm``: the witness counts the transfers'
+    time (see :func:`witness_times`).
     """
     if schedule.lowered:
         return schedule
     check_compute(schedule)
-    times = witness_times(schedule, costs)
+    times = witness_times(schedule, costs, with_comm)
     starts = [[start for start, _ in row] for row in times]
     events: list[list[tuple[tuple[int, ...], Action]]] = [[] for _ in range(schedule.pp)]
     for p in range(schedule.pp):

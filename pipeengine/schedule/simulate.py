@@ -72,7 +72,8 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "as
     ``mode="async"`` is how the engine runs: posting a comm batch never blocks compute; each
     position's batches go through one in-order comm queue (like an NCCL stream), a batch starts
     when it is at the head of its queue and completes when every partner batch has started too
-    (plus ``costs.comm``); a compute waits only for the batch that carries its input.
+    (plus ``costs.comm`` of the boundary it crosses; a shape header costs nothing); a compute waits only for the
+    batch that carries its input.
     ``mode="rendezvous"`` is the strictest semantics (every batch blocks its position until
     matched): ``validate`` proves freedom from deadlock under it.
     """
@@ -100,9 +101,9 @@ class _Run:
             for p, prog in enumerate(self.progs)]
         comm = boundary_comm(costs, schedule)
         # each comm action's transfer time: that of the boundary it crosses (below a forward producer, above a
-        # backward one)
+        # backward one); a stream's shape header (a few integers, once per step) is taken to cost nothing
         self.comm: list[dict[Action, float]] = [
-            {a: comm[stage if d != "B" else stage - 1] for a in partners
+            {a: 0.0 if d == "H" else comm[stage if d == "F" else stage - 1] for a in partners
              for d, _, stage in (transfer_id(schedule, p, a),)} for p, partners in enumerate(self.partners)]
         self.pc = [0] * self.n
         self.clock = [0.0] * self.n

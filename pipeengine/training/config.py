@@ -68,6 +68,8 @@ class Config:
                              f"use --partition profile (the default), not {sch.partition!r}")
         if sch.memory_cap is not None and sch.partition != "profile":
             raise ValueError("--memory-cap is planned for by --partition profile only; drop it or use profile")
+        if sch.link_gbps is not None and sch.partition != "profile":
+            raise ValueError("--link-gbps is planned for by --partition profile only; drop it or use profile")
         if opt.min_lr > opt.lr:
             raise ValueError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}; the cosine decay ends at --min-lr")
         if log.trace_step is not None and not 0 <= log.trace_step < opt.steps:

@@ -109,6 +109,10 @@ class ScheduleConfig:
     memory_cap: float | None = setting(None, "with --partition profile: leave out splits whose estimated peak memory "
                                              "at a position (4 x its parameters + its activations in flight) exceeds "
                                              "this", check=finite(0, above=True, what="number of GiB"), metavar="GiB")
+    link_gbps: float | None = setting(None, "with --partition profile: the bandwidth of every link between pipeline "
+                                            "neighbours, in Gbit/s (latency taken as 0), instead of measuring each "
+                                            "link at start (a ping-pong per pair)",
+                                      check=finite(0, above=True, what="number of Gbit/s"), metavar="Gbit/s")
 
 
 @dataclass

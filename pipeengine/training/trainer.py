@@ -173,7 +173,7 @@ class Trainer:
             grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
             on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
             boundary_dtype=cfg.precision.boundary, costs=costs, memory_cap=cap * 2**30 if cap else None,
-            shard_optimizer=cfg.parallel.zero == 1)
+            shard_optimizer=cfg.parallel.zero == 1, link_gbps=cfg.schedule.link_gbps)
 
     def _open_logs(self) -> None:
         cfg, topo = self.cfg, self.topo
@@ -190,10 +190,11 @@ class Trainer:
                                  warm=self.warm, writer=self.writer)
         if self.rank == 0 and not cfg.logging.quiet:
             log.info(topo.describe())
-            if self.engine.plan.choice is not None:
-                log.info(self.engine.plan.choice.describe(self.engine.schedule.name))
-            if self.engine.plan.auto is not None:
-                log.info(self.engine.plan.auto.describe())
+            plan = self.engine.plan   # the links, the split with its predicted step, what auto chose
+            for shown in (plan.links and plan.links.describe(), plan.auto and plan.auto.describe(),
+                          plan.choice and plan.choice.describe(plan.schedule.name)):
+                if shown:
+                    log.info(shown)
             log.info(f"model {cfg.model.name}{'/' + cfg.model.preset if cfg.model.preset else ''}: "
                      f"{self.engine.num_layers} layers, stage bounds "
                      f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.describe(topo.dp)}; "

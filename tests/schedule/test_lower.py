@@ -69,7 +69,8 @@ def test_lower_default_is_unit_costs_and_ignores_float_rounding() -> None:
     s = build_schedule("interleaved-1f1b", 6, 18, 3)
     c = Costs(1, 1, 1, comm=0.5).per_chunk(3)
     assert lower(s, c).programs == lower(s).programs
-    assert simulate(compile_schedule("interleaved-1f1b", 6, 18, 3, c), c).makespan == pytest.approx(130.5)
+    # 122.0: every transfer 0.5, a stream's shape header nothing (130.5 when headers cost a transfer each)
+    assert simulate(compile_schedule("interleaved-1f1b", 6, 18, 3, c), c).makespan == pytest.approx(122.0)
     z = build_schedule("zb-h1", 4, 8)
     assert lower(z, Costs(0.1, 0.2, 0.3)).programs == lower(z, Costs(1, 2, 3)).programs
 

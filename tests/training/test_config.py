@@ -54,6 +54,8 @@ def problem(flags: list[str], world: int, capsys: pytest.CaptureFixture[str]) ->
     (["--partition", "time"], 1, r"--partition must be profile, parameters, uniform or stage bounds like 0,3,6,10"),
     (["--memory-cap", "0"], 1, r"--memory-cap must be a positive number of GiB \(got 0\)"),
     (["--memory-cap", "2", "--partition", "uniform"], 1, r"--memory-cap is planned for by --partition profile"),
+    (["--link-gbps", "0"], 1, r"--link-gbps must be a positive number of Gbit/s \(got 0\)"),
+    (["--link-gbps", "100", "--partition", "uniform"], 1, r"--link-gbps is planned for by --partition profile"),
     (["--schedule", "interleaved-1f1b", "--chunks", "1"], 1, r"interleaved-1f1b needs --chunks >= 2 \(got 1\)"),
     (["--schedule", "1f1b", "--chunks", "2"], 1, r"--schedule 1f1b runs one stage per position"),
     (["--min-lr", "1", "--lr", "0.1"], 1, r"--min-lr 1 is above --lr 0.1"),

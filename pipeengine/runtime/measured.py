@@ -1,0 +1,92 @@
+"""What the profile measured of each layer, and what the split search chose from it (torch-free data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..schedule import Costs, Schedule
+
+__all__ = ["LayerCost", "Choice", "position_sizes"]
+
+
+@dataclass
+class LayerCost:
+    """One layer on one microbatch, as the engine runs it: seconds of F, of B and W (split backward, see
+    stage.py) and of the fused backward, the bytes it keeps for backward (its output included) and the
+    bytes of its parameters."""
+
+    f: float
+    b: float
+    w: float
+    fused: float
+    activation_bytes: int
+    param_bytes: int
+    noise: float = 0.0   # the spread of its timed runs: interquartile range / median of F + B + W
+    kind: str = ""       # layers of one kind (same modules, parameters and input shapes) cost the same
+    output_bytes: int = 0   # its output per microbatch: what crosses a link when a stage ends with it
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+    def phases(self, split: bool) -> tuple[float, float, float]:
+        """(f, b, w) as the simulator takes them: without a split, B runs b + w = the fused backward."""
+        return (self.f, self.b, self.w) if split else (self.f, max(0.0, self.fused - self.w), self.w)
+
+
+@dataclass
+class Choice:
+    """What the profile partition chose: bounds, the per-stage costs (seconds per microbatch) and the
+    simulated step (seconds, compute only) and peak memory estimate per position (bytes)."""
+
+    bounds: list[int]
+    stage_costs: list[tuple[float, float, float]]
+    makespan: float
+    memory: list[float]
+    candidates: int
+    split: bool = False   # the schedule splits backward into B and W
+    kept_equal: str = ""  # why the equal split was kept over a faster-looking one (its gain was noise)
+    comm: list[float] = field(default_factory=list)   # [s]: seconds of a transfer between stage s and s + 1
+
+    def costs(self) -> list[Costs]:
+        """Per stage, its F, B, W and the transfer to the next stage: what the step was simulated with."""
+        comm = self.comm or [0.0] * (len(self.stage_costs) - 1)
+        return [Costs(f, b, w, comm[s] if s < len(comm) else 0.0) for s, (f, b, w) in enumerate(self.stage_costs)]
+
+    def mean_costs(self) -> Costs:
+        """One stage's average F, B, W and transfer: what the schedule is lowered with."""
+        n = len(self.stage_costs)
+        comm = sum(self.comm) / len(self.comm) if self.comm else 0.0
+        f, b, w = (sum(c[k] for c in self.stage_costs) / n for k in range(3))
+        return Costs(f, b, w, comm)
+
+    def describe(self, schedule_name: str) -> str:
+        with_links = " (compute and transfers)" if any(self.comm) else ""
+        lines = [f"partition profile: bounds {self.bounds} ({self.candidates} splits scored), "
+                 f"predicted step{with_links} {1e3 * self.makespan:.1f} ms with {schedule_name}"]
+        if self.kept_equal:
+            lines.append(f"  {self.kept_equal}")
+        for s, (f, b, w) in enumerate(self.stage_costs):
+            back = f"B {1e3 * b:.2f} ms  W {1e3 * w:.2f} ms" if self.split else f"backward {1e3 * (b + w):.2f} ms"
+            hop = (f"  transfer to stage {s + 1} {1e3 * self.comm[s]:.3f} ms"
+                   if s < len(self.comm) and self.comm[s] > 0 else "")
+            lines.append(f"  stage {s}: layers {self.bounds[s]}..{self.bounds[s + 1] - 1}  per microbatch "
+                         f"F {1e3 * f:.2f} ms  {back}{hop}")
+        lines.append("  model memory estimate per position (4 x parameters + activations in flight; not the "
+                     "process's baseline): " + ", ".join(f"{m / 2**30:.2f} GiB" for m in self.memory))
+        return "\n".join(lines)
+
+
+def position_sizes(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule) -> list[tuple[float, float]]:
+    """Per position of ``schedule``: (its parameter bytes, the activation bytes of its largest stage) for a split.
+
+    The memory estimate everywhere is state_factor x the first + peak chunk activations in flight x the second."""
+    params = [0.0] * schedule.pp
+    act = [0.0] * schedule.pp
+    for s in range(schedule.num_stages):
+        p = schedule.placement(s)[0]
+        layers = costs[bounds[s]:bounds[s + 1]]
+        params[p] += sum(c.param_bytes for c in layers)
+        act[p] = max(act[p], float(sum(c.activation_bytes for c in layers)))
+    return list(zip(params, act))
