@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable, NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["ROOT", "HERE", "README", "RESULTS", "torchrun_command", "free_port", "init_from_env", "finish_and_exit",
-           "timed_steps", "mean_loss", "append_jsonl", "read_jsonl", "write_readme_block", "efficiency_table",
-           "describe_real", "process_tree"]
+__all__ = ["ROOT", "HERE", "README", "RESULTS", "torchrun_command", "excess_fits", "free_port", "init_from_env",
+           "finish_and_exit", "timed_steps", "mean_loss", "append_jsonl", "read_jsonl", "write_readme_block",
+           "efficiency_table", "describe_real", "process_tree"]
 
 ROOT = Path(__file__).resolve().parent.parent      # the repository root: scripts run from here, as ``-m benchmarks.X``
 HERE = ROOT / "benchmarks"
@@ -135,12 +135,37 @@ def efficiency_table(rows: list[dict[str, Any]]) -> str:
                      f"{f('ours_median_s')} | {f('ours_efficiency')} | {f('ours_efficiency_vs_measured_costs')} | "
                      f"{f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
                      f"{f('torch_efficiency')} | {f('ratio_ours_over_torch', '{:.2f}x')} |")
+    fits = excess_fits(rows)
+    if fits:   # the host's cost per microbatch: the excess over the ideal, fitted as intercept + slope x m
+        lines += ["", "| schedule | pp | engine | excess slope (ms per microbatch) | excess intercept (ms) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {name} | {pp} | {engine} | {1e3 * slope:.3f} | {1e3 * icept:.2f} |"
+                  for (name, pp, engine), (slope, icept) in fits.items()]
     if any("ratio_ours_over_torch_training" in r for r in rows):   # --engines ... torch-train
         lines += ["", "| schedule | pp | m | torch step() + training loop (s) | ours/torch training step |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['torch-train_median_s']:.3f} | "
                   f"{r['ratio_ours_over_torch_training']:.2f}x |" for r in rows if "torch-train_median_s" in r]
     return "\n".join(lines)
+
+
+def excess_fits(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], tuple[float, float]]:
+    """Per (schedule, pp, engine) measured at two or more microbatch counts: the least-squares line of the step's
+    excess over the ideal (measured - ideal seconds) in m, as (slope, intercept)."""
+    fits = {}
+    for name, pp in dict.fromkeys((r["schedule"], r["pp"]) for r in rows):
+        mine = [r for r in rows if (r["schedule"], r["pp"]) == (name, pp)]
+        for engine in ("ours", "torch", "torch-train"):
+            points = [(r["microbatches"], r[f"{engine}_median_s"] - r["ideal_s"]) for r in mine
+                      if f"{engine}_median_s" in r]
+            if len({m for m, _ in points}) < 2:
+                continue
+            mean_m = sum(m for m, _ in points) / len(points)
+            mean_e = sum(e for _, e in points) / len(points)
+            slope = (sum((m - mean_m) * (e - mean_e) for m, e in points)
+                     / sum((m - mean_m) ** 2 for m, _ in points))
+            fits[(name, pp, engine)] = (slope, mean_e - slope * mean_m)
+    return fits
 
 
 def describe_real(r: dict[str, Any]) -> str:

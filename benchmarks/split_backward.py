@@ -38,12 +38,16 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = gpt.Config(block_size=a.seq, n_layer=a.blocks, n_head=8, n_embd=a.width)
-    stage = Stage(LayerChain([gpt.Block(cfg) for _ in range(a.blocks)], 1), 1, 3, gpt.loss_fn, 1)
+    chain = LayerChain([gpt.Block(cfg) for _ in range(a.blocks)], 1)
+    # the same layers as a stage of a schedule without W and as one of a zero-bubble schedule (segmented: B and W
+    # one layer at a time, see [Note: segments] in pipeengine/runtime/stage.py)
+    stages = {False: Stage(chain, 1, 3, gpt.loss_fn, 1), True: Stage(chain, 1, 3, gpt.loss_fn, 1, segmented=True)}
     x = torch.randn(a.batch, a.seq, a.width)
     gy = torch.randn(a.batch, a.seq, a.width)
     times: dict[str, list[float]] = {"fused": [], "B": [], "W": []}
     for r in range(a.rounds + 2):
         for split in (False, True) if r % 2 else (True, False):
+            stage = stages[split]
             stage.reset()
             stage.forward(0, x.clone(), None, True)
             t0 = time.perf_counter()

@@ -20,7 +20,10 @@ gradient: B is empty and W is the whole backward), and recomputed stages (every 
 backward pass recomputes a region, so one pass over the roots is cheaper than one per group).
 
 W makes one autograd call per group, all under one ``GraphExecGroup``, so a layer that recomputes
-itself recomputes once in W, not once per group.
+itself recomputes once in W, not once per group. Each call's cost grows with the graph below its branch
+nodes (autograd walks it to find what is needed), so a stage of several layers runs B and W a layer at a
+time ([Note: segments] in stage.py). The graph is walked once per microbatch (:func:`walk`: consumers and
+custom functions together) and the parameters' AccumulateGrad nodes are found once per stage.
 
 A graph holding a custom ``autograd.Function`` is split at all only if nothing proves it unsafe,
 and nothing can: its backward may change its incoming gradient in place (a gradient B kept for W
@@ -44,8 +47,8 @@ from torch.autograd.graph import GradientEdge, Node
 
 SPLIT_SAFE = "split_backward_safe"   # a custom autograd.Function's promise, see the module docstring
 
-__all__ = ["SPLIT_SAFE", "WeightGroup", "weight_groups", "custom_functions", "run_backward", "backward_keeping",
-           "backward_weights"]
+__all__ = ["SPLIT_SAFE", "WeightGroup", "Graph", "walk", "accumulators", "weight_groups", "custom_functions",
+           "run_backward", "backward_keeping", "backward_weights"]
 
 Tensors = tuple[torch.Tensor, ...]
 Grads = tuple[torch.Tensor | None, ...]
@@ -76,20 +79,39 @@ class WeightGroup:
     grads: dict[int, Grads] = field(default_factory=dict)   # node index -> the gradients kept in B
 
 
-def _consumers(roots: Tensors) -> dict[Node, list[Node]]:
-    """Node -> the nodes that feed gradient into it, over the graph reachable from ``roots``."""
+@dataclass
+class Graph:
+    """The autograd graph behind a microbatch's roots, walked once: who feeds gradient into each node, and the
+    custom ``autograd.Function`` nodes met on the way (their class names; see the module docstring)."""
+
+    roots: list[Node]
+    consumers: dict[Node, list[Node]]
+    custom: list[str]
+
+
+def walk(roots: Tensors) -> Graph:
+    """One pass over the graph reachable from ``roots``."""
     consumers: dict[Node, list[Node]] = {}
-    stack = [n for n in map(_grad_node, roots) if n is not None]
-    seen = set(stack)
+    custom: list[str] = []
+    starts = [n for n in map(_grad_node, roots) if n is not None]
+    stack, seen = list(starts), set(starts)
     while stack:
         node = stack.pop()
+        if (isinstance(node, torch.autograd.function.BackwardCFunction) and type(node).__name__ != "_ArrivalBackward"
+                and not getattr(getattr(type(node), "_forward_cls", None), SPLIT_SAFE, False)):
+            custom.append(type(node).__name__)   # (the stage's own _Arrival node only hands gradients over)
         for nxt, _ in node.next_functions:
             if nxt is not None:
                 consumers.setdefault(nxt, []).append(node)
                 if nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
-    return consumers
+    return Graph(starts, consumers, custom)
+
+
+def custom_functions(roots: Tensors) -> list[str]:
+    """The custom ``autograd.Function`` nodes in the graph behind ``roots`` (their class names)."""
+    return walk(roots).custom
 
 
 def _downstream(starts: list[Node], consumers: dict[Node, list[Node]]) -> set[Node]:
@@ -104,33 +126,23 @@ def _downstream(starts: list[Node], consumers: dict[Node, list[Node]]) -> set[No
     return found
 
 
-def custom_functions(roots: Tensors) -> list[str]:
-    """The custom ``autograd.Function`` nodes in the graph behind ``roots`` (their class names)."""
-    found: list[str] = []
-    stack = [n for n in map(_grad_node, roots) if n is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        if (isinstance(node, torch.autograd.function.BackwardCFunction) and type(node).__name__ != "_ArrivalBackward"
-                and not getattr(getattr(type(node), "_forward_cls", None), SPLIT_SAFE, False)):
-            found.append(type(node).__name__)   # (the stage's own _Arrival node only hands gradients over)
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return found
+def accumulators(params: Tensors) -> list[Node | None]:
+    """The parameters' AccumulateGrad nodes. Held, they stay the ones every graph uses (as DDP holds them), so a
+    stage finds them once, not once per microbatch."""
+    return [_grad_node(p) for p in params]
 
 
-def weight_groups(roots: Tensors, inputs: Tensors, params: Tensors) -> tuple[list[WeightGroup], list[torch.Tensor]]:
+def weight_groups(graph: Graph, inputs: Tensors, params: Tensors,
+                  nodes: list[Node | None] | None = None) -> tuple[list[WeightGroup], list[torch.Tensor]]:
     """Group ``params`` by the branch nodes where their gradients leave the input path; also return the
-    parameters with a gradient that never crosses the input path (W must run from the roots for them)."""
-    consumers = _consumers(roots)
+    parameters with a gradient that never crosses the input path (W must run from the roots for them).
+    ``nodes``: the parameters' :func:`accumulators` (found here when not given)."""
+    consumers = graph.consumers
     on_path = _downstream([n for n in map(_grad_node, inputs) if n is not None], consumers)
-    root_nodes = set(map(_grad_node, roots))
+    root_nodes = set(graph.roots)
     groups: dict[Node, WeightGroup] = {}
     elsewhere: list[torch.Tensor] = []
-    for p in params:
-        start = _grad_node(p)
+    for p, start in zip(params, nodes if nodes is not None else accumulators(params)):
         if start is None or start not in consumers:
             continue   # no gradient in this microbatch
         branch: set[Node] = set()

@@ -67,7 +67,7 @@ class Consensus:
                 squares = self.squares([p if id(p) not in norm_skip else None for p in params])
                 vec.set_grad_sq(plan.param_slot(index), squares)
                 stage_sq += self.squares(params).sum()   # tied copies too: any non-finite gradient
-            vec.add_stage(st.index, st.nonfinite, (~torch.isfinite(stage_sq)).double())
+            vec.add_stage(st.index, st.nonfinite(), (~torch.isfinite(stage_sq)).double())
         if stages[-1].is_last:
             vec.set_loss(torch.stack(stages[-1].losses).double().sum())
         if self.topology.pp > 1:

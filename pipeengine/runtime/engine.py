@@ -166,7 +166,7 @@ class PipelineEngine:
                recompute: str) -> None:
         def make_stage(module: LayerChain, index: int) -> Stage:
             return Stage(module, index, self.plan.num_stages, self.loss_fn, self.total_microbatches, recompute,
-                         self.precision)
+                         self.precision, segmented=self.plan.schedule.split_backward)
         self.local = LocalModel(self.plan, specs, self.topology, self.rank, tied, seed, self.device, make_stage)
         self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties
         self.groups = self.local.groups

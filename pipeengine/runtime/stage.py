@@ -39,6 +39,17 @@ Backward then runs from roots whose data is gone, so it calls autograd's engine 
 Megatron's ``deallocate_output_tensor`` does. An output that is a view, or that is one of the
 stage's inputs, keeps its data (freeing it would free someone else's).
 
+[Note: segments]
+Under a schedule that splits the backward (zero bubble) a stage of several layers runs them as parts of one
+layer each: between two layers the output goes on hanging from an ``_Arrival`` node of its own (the same
+storage, no copy), so each layer's autograd graph ends there. B then runs a layer at a time from the last
+(its input gradients are the next part's root gradients: the values a whole-stage backward passes, bit for
+bit), and W's one autograd call per weight group walks one layer's graph, not everything below it: on 12
+tiny GPT blocks W took 5.9 ms as one graph, 2.4 ms in parts (``benchmarks/split_backward.py``). The first
+stage gains too: only its first layer's inputs need no gradient, so only that layer's W runs from its roots.
+Not with recompute (its regions are the parts) nor when two layers share a parameter (W would then add its
+gradients in another order than the fused backward).
+
 [Note: recompute]
 ``recompute="full"`` runs the stage's layers as one ``torch.utils.checkpoint`` region
 (non-reentrant; each layer's random stream is keyed, rng.py, so the recomputation draws F's masks
@@ -61,11 +72,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .backward import (WeightGroup, backward_keeping, backward_weights, custom_functions, run_backward,
+from .arrival import Arrived
+from .backward import (WeightGroup, accumulators, backward_keeping, backward_weights, run_backward, walk,
                        weight_groups)
 from .options import PRECISIONS, check_choice, parse_recompute
 from .rng import generator_of, layer_seed
-from .tensors import describe_value, detach, device_of, floating, to_float, tree_map
+from .tensors import describe_value, detach, device_of, floating, to_float
 
 __all__ = ["LayerChain", "LayerError", "Stage", "DTYPES", "cast_cache_scope"]
 
@@ -99,12 +111,16 @@ class LayerChain(nn.Module):
         self.ran = False
         self._generator: torch.Generator | None = None
 
-    def forward(self, x: Any, key: int | None = None) -> Any:
+    def forward(self, x: Any, key: int | None = None, between: Callable[[Any], Any] | None = None) -> Any:
+        """``between``: applied to every layer's output but the last's (a segmented stage's cut)."""
+        last = len(self.layers) - 1
         if self.ran:
             for i, layer in enumerate(self.layers):
                 if key is not None:
                     self._seed(x, key, i)
                 x = layer(x)
+                if between is not None and i < last:
+                    x = between(x)
             return x
         i = 0
         try:
@@ -112,6 +128,8 @@ class LayerChain(nn.Module):
                 if key is not None:
                     self._seed(x, key, i)
                 x = layer(x)
+                if between is not None and i < last:
+                    x = between(x)
             self.ran = True
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             if isinstance(exc, (LayerError, torch.OutOfMemoryError)):
@@ -164,55 +182,24 @@ def _deallocate(t: torch.Tensor, inputs: Tensors) -> None:
         t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
 
 
-class _Arrival(torch.autograd.Function):
-    """The stage's received inputs as the outputs of one node (see [Note: stage boundary detach])."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, arrived: "_Arrived", *tensors: torch.Tensor) -> Tensors:
-        ctx.arrived = arrived   # holds no tensor: outputs -> node -> ctx -> outputs would be a cycle never freed
-        return tuple(t.detach() for t in tensors)   # the received storage itself, not an input: in-place allowed
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
-        ctx.arrived.grads = grads
-        return (None,) * (2 + len(grads))
-
-
-class _Arrived:
-    """A microbatch's floating-point inputs at a non-first stage: their metadata, and their gradients once B ran."""
-
-    def __init__(self, tensors: Tensors) -> None:
-        self.count = len(tensors)
-        self.like = [(t.shape, t.dtype, t.device) for t in tensors]
-        self.grads: tuple[torch.Tensor | None, ...] = ()
-
-    def through(self, x: Any, anchor: torch.Tensor) -> tuple[Any, Tensors]:
-        """``x`` with its floating tensors as outputs of an :class:`_Arrival` node, and those outputs."""
-        outs = _Arrival.apply(anchor, self, *floating(x))
-        it = iter(outs)
-        return tree_map(x, lambda t: next(it) if t.is_floating_point() else t), tuple(outs)
-
-    def gradients(self) -> Tensors:
-        grads = self.grads or (None,) * self.count
-        return tuple(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                     for g, (shape, dtype, device) in zip(grads, self.like))
-
-
 @dataclass
 class _Saved:
-    inputs: Tensors                  # the stage's floating inputs, as _Arrival outputs (non-first stage)
+    """One microbatch through one part of the stage: all its layers, or one layer ([Note: segments])."""
+
+    inputs: Tensors                  # the first part's: the stage's received floating inputs (_Arrival outputs)
     roots: Tensors                   # where backward starts (the scaled loss on the last stage)
     grads: Tensors = field(default=())   # gradients of the roots (kept for W when it runs from the roots)
     groups: list[WeightGroup] = field(default_factory=list)   # split backward: what W runs from
     rest: Tensors = ()               # split backward: parameters W reaches from the roots
-    arrived: _Arrived | None = None  # the received inputs and, after B, their gradients
+    arrived: Arrived | None = None  # the received inputs and, after B, their gradients
+    hangs: bool = False              # its inputs hang from the stage's anchor (B computes their gradients)
 
 
 class Stage:
     """Stage ``index`` of ``num_stages``: runs F, B and W of its layers for one microbatch at a time."""
 
     def __init__(self, module: LayerChain, index: int, num_stages: int, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 microbatches: int, recompute: str = "none", precision: str = "fp32") -> None:
+                 microbatches: int, recompute: str = "none", precision: str = "fp32", segmented: bool = False) -> None:
         check_choice("precision", precision, PRECISIONS)
         self.module = module
         self.index = index
@@ -228,16 +215,24 @@ class Stage:
         if per is not None:
             size = per or len(layers)
             self.regions = [LayerChain(layers[i:i + size], module.first + i) for i in range(0, len(layers), size)]
-        self.saved: dict[int, _Saved] = {}
+        self.saved: dict[int, list[_Saved]] = {}   # per microbatch, its parts, first layer first
         self.peak_stored = 0
         self.losses: list[torch.Tensor] = []
         self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self._anchor = torch.empty(0, requires_grad=True)   # what the stage's inputs hang from (_Arrival)
-        self.nonfinite = torch.zeros(2)         # this step: (non-finite outputs or loss, non-finite input grads)
+        # per part: its parameters and, once split, their AccumulateGrad nodes. See [Note: segments]
+        per_layer = [tuple(p for p in layer.parameters() if p.requires_grad) for layer in layers]
+        shared = len({id(p) for ps in per_layer for p in ps}) < sum(map(len, per_layer))
+        self.segmented = segmented and per is None and len(layers) > 1 and not shared
+        self._part_params = per_layer if self.segmented else [self.params]
+        self._accumulators: list[list[Any] | None] = [None] * len(self._part_params)
+        # this step's sums of (outputs or the loss, input gradients), one per tensor: non-finite iff one held a NaN/inf
+        self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def reset(self) -> None:
-        self.nonfinite = torch.zeros(2, dtype=torch.float64, device=device_of((), self.params))
+        for sums in self.sums:
+            sums.clear()
         self.saved.clear()
         self.losses.clear()
         self.outputs.clear()
@@ -248,17 +243,25 @@ class Stage:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.dtype)
 
-    def _layers(self, x: Any, key: int | None) -> Any:
+    def _layers(self, x: Any, key: int | None, cuts: list[tuple[Tensors, Arrived, Tensors]] | None = None) -> Any:
         if self.regions is None:
-            return self.module(x, key)
+            return self.module(x, key, None if cuts is None else functools.partial(self._cut, cuts))
         for region in self.regions:   # the key is an argument: the recomputation reseeds as F did (rng.py)
             x = _checkpoint(region, x, key, use_reentrant=False, preserve_rng_state=key is None,
                             context_fn=functools.partial(_recompute_contexts, region))
         return x
 
-    def _run_layers(self, x: Any, key: int | None) -> Any:
+    def _cut(self, cuts: list[tuple[Tensors, Arrived, Tensors]], y: Any) -> Any:
+        """Between two layers of a segmented stage: ``y`` goes on hanging from an _Arrival node of its own."""
+        roots = tuple(floating(y))
+        arrived = Arrived(roots)
+        x, inputs = arrived.through(detach(y), self._anchor)
+        cuts.append((roots, arrived, inputs))
+        return x
+
+    def _run_layers(self, x: Any, key: int | None, cuts: list[tuple[Tensors, Arrived, Tensors]] | None = None) -> Any:
         try:
-            return self._layers(x, key)
+            return self._layers(x, key, cuts)
         except LayerError as exc:
             came = (f" (that input is the output of stage {self.index - 1}, whose last layer is layer "
                     f"{exc.layer - 1})" if not self.is_first and exc.layer == self.module.first else "")
@@ -269,14 +272,15 @@ class Stage:
         """Run F on one argument ``x``; return what to pass on (None on the last stage, which keeps its loss).
         ``key``: the microbatch's random streams (rng.py; None: the generator as it is)."""
         inputs: Tensors = ()
-        arrived: _Arrived | None = None
+        arrived: Arrived | None = None
         if not self.is_first and train:   # See [Note: stage boundary detach]
-            arrived = _Arrived(tuple(floating(x)))
+            arrived = Arrived(tuple(floating(x)))
             if arrived.count:
                 x, inputs = arrived.through(x, self._anchor)
+        cuts: list[tuple[Tensors, Arrived, Tensors]] | None = [] if train and self.segmented else None
         with torch.set_grad_enabled(train):
             with self._autocast(device_of(x, self.params)):
-                out = self._run_layers(x, key)
+                out = self._run_layers(x, key, cuts)
             if self.is_last:
                 roots = self._loss(mb, out, target, train, keep_output)
             else:   # passed on in the dtype the unsplit model has here (see [Note: stage boundary dtype])
@@ -284,7 +288,15 @@ class Stage:
         if not train:
             return None if self.is_last else out
         self._count_nonfinite(0, roots)
-        self.saved[mb] = _Saved(inputs, roots, arrived=arrived)
+        # the parts: each from its inputs (the stage's, or a cut's) to its roots (a cut's, or the stage's); a cut's
+        # roots and inputs are the same storage, which lives on as long as a layer saved it ([Note: segments])
+        starts = [(inputs, arrived)] + [(ins, arr) for _, arr, ins in cuts or ()]
+        ends = [r for r, _, _ in cuts or ()] + [roots]
+        for (ins, _), cut in zip(starts, ends[:-1]):
+            for t in cut:
+                _deallocate(t, ins)
+        self.saved[mb] = [_Saved(ins if k == 0 else (), r, arrived=arr, hangs=bool(ins))
+                          for k, ((ins, arr), r) in enumerate(zip(starts, ends))]
         self.peak_stored = max(self.peak_stored, len(self.saved))
         if self.is_last:
             return None
@@ -313,20 +325,31 @@ class Stage:
 
     def backward(self, mb: int, grads: Tensors | None, split: bool) -> Tensors:
         """Run B; return the gradients of the stage's floating-point inputs (empty on the first stage)."""
-        saved = self.saved[mb]
-        root_grads = self._root_grads(mb, saved, grads)
+        parts = self.saved[mb]
+        result = self._root_grads(mb, parts[-1], grads)
+        for k in reversed(range(len(parts))):
+            result = self._backward_part(k, parts[k], result, split)
+        self._count_nonfinite(1, result)
+        if not split:   # (split: the schedule has a W for this microbatch, even if B ran it fused)
+            del self.saved[mb]
+        return result
+
+    def _backward_part(self, k: int, saved: _Saved, root_grads: Tensors, split: bool) -> Tensors:
+        """B of part ``k``; the gradients of its inputs."""
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
         roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
-        was_split = split   # the schedule has a W for this microbatch either way
-        anchor = (self._anchor,) if saved.inputs else ()   # autograd reaches the stage's inputs through it
-        if split and saved.inputs and roots and custom_functions(roots):
+        anchor = (self._anchor,) if saved.hangs else ()   # autograd reaches the part's inputs through it
+        graph = walk(roots) if split and saved.hangs and roots else None
+        if graph is not None and graph.custom:
             split = False   # a custom autograd.Function: fused in B, W does nothing ([Note: split backward])
             saved.roots, saved.rest = (), ()
         if split:   # See [Note: split backward] in backward.py
-            saved.rest = self.params
-            if saved.inputs and roots:
+            saved.rest = self._part_params[k]
+            if graph is not None:
                 if self.regions is None:
-                    saved.groups, rest = weight_groups(roots, anchor, self.params)
+                    if self._accumulators[k] is None:
+                        self._accumulators[k] = accumulators(self._part_params[k])
+                    saved.groups, rest = weight_groups(graph, anchor, self._part_params[k], self._accumulators[k])
                     saved.rest = tuple(rest)
                 backward_keeping(roots, rgrads, anchor, saved.groups)
             if saved.rest:
@@ -336,25 +359,26 @@ class Stage:
         elif roots:
             run_backward(roots, rgrads, (), keep_graph=False)
         result = saved.arrived.gradients() if saved.arrived is not None else ()
-        self._count_nonfinite(1, result)
         saved.inputs, saved.arrived = (), None
-        if not split and not was_split:
-            del self.saved[mb]
         return result
 
     def backward_weight(self, mb: int) -> None:
         """Run W after a split B: accumulate the parameter gradients and free the microbatch."""
-        saved = self.saved.pop(mb)
-        backward_weights(saved.groups)
-        pairs = [(r, g) for r, g in zip(saved.roots, saved.grads) if r.requires_grad]
-        if pairs and saved.rest:
-            run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), saved.rest, keep_graph=False)
+        for saved in self.saved.pop(mb):
+            backward_weights(saved.groups)
+            pairs = [(r, g) for r, g in zip(saved.roots, saved.grads) if r.requires_grad]
+            if pairs and saved.rest:
+                run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), saved.rest, keep_graph=False)
 
     def _count_nonfinite(self, i: int, tensors: Tensors) -> None:
-        """Count tensors holding a NaN or inf into ``nonfinite[i]`` (a sum per tensor, no host sync)."""
-        for t in tensors:
-            total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
-            self.nonfinite[i] += (~torch.isfinite(total)).double()
+        """Keep each tensor's float64 sum in ``sums[i]``: one kernel per tensor, no host sync (NaN and inf carry)."""
+        self.sums[i].extend(t.detach().sum(dtype=torch.float64) for t in tensors)   # (no graph kept alive)
+
+    def nonfinite(self) -> torch.Tensor:
+        """This step's (outputs or loss, input gradients) flags on the device: 1.0 where a NaN or inf went by."""
+        device = device_of((), self.params)
+        return torch.stack([(~torch.isfinite(torch.stack(s).sum() if s else torch.zeros((), device=device))).double()
+                            for s in self.sums])
 
     def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
         if self.is_last:

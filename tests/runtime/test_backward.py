@@ -67,8 +67,11 @@ CASES = {
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("model", sorted(CASES))
-@pytest.mark.parametrize("last", [False, True])
-def test_split_backward_is_bitwise_the_fused_one_and_w_runs_only_weight_matmuls(model: str, last: bool) -> None:
+@pytest.mark.parametrize("where", ["middle", "last", "first"])
+def test_split_backward_is_bitwise_the_fused_one_and_w_runs_only_weight_matmuls(model: str, where: str) -> None:
+    """Unsegmented and segmented ([Note: segments]: B and W a layer at a time, as a zero-bubble schedule runs them)
+    against the fused backward of the unsegmented stage; the first stage's inputs need no gradient."""
+    last = where == "last"
     torch.manual_seed(0)
     layers, x = CASES[model]()
     if x is None:   # resnet: the stem's output shape
@@ -80,15 +83,25 @@ def test_split_backward_is_bitwise_the_fused_one_and_w_runs_only_weight_matmuls(
     target, gy, loss = None, torch.randn(2, *y.shape, dtype=torch.float64), None
     if last:
         target, gy, loss = torch.randn(2, *y.shape, dtype=torch.float64), None, nn.functional.mse_loss
-    ch = _stage(layers, 2 if last else 1, loss)
+    index = {"first": 0, "middle": 1, "last": 2}[where]
+    ch = _stage(layers, index, loss)
+    segmented = Stage(ch.module, index, 3, loss, 2, segmented=True)
+    assert segmented.segmented and not ch.segmented
     fused_in, fused_w, (fused_mm, _) = _step(ch, x, target, gy, split=False)
-    split_in, split_w, (b_mm, w_mm) = _step(ch, x, target, gy, split=True)
-    for a, b in zip(fused_in, split_in):
-        assert all(torch.equal(u, v) for u, v in zip(a, b))
-    assert len(fused_w) == len(split_w) and all(torch.equal(u, v) for u, v in zip(fused_w, split_w))
-    # nothing computed twice: B + W do exactly the fused backward's matrix products, W only dW's
-    weights = sum(1 for p in ch.params if p.dim() >= 2)
-    assert b_mm + w_mm == fused_mm and w_mm == 2 * weights, (b_mm, w_mm, fused_mm, weights)
+    for stage in (ch, segmented):
+        stage.reset()
+        split_in, split_w, (b_mm, w_mm) = _step(stage, x, target, gy, split=True)
+        for a, b in zip(fused_in, split_in):
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
+        assert len(fused_w) == len(split_w) and all(torch.equal(u, v) for u, v in zip(fused_w, split_w))
+        # nothing computed twice: B + W do exactly the fused backward's matrix products, W only dW's (but where
+        # a part's inputs need no gradient: the first stage's first layer, or the whole first stage unsegmented,
+        # runs from its roots in W)
+        weights = sum(1 for p in ch.params if p.dim() >= 2)
+        assert b_mm + w_mm == fused_mm, (b_mm, w_mm, fused_mm)
+        assert w_mm == 2 * weights or where == "first", (b_mm, w_mm, fused_mm, weights)
+        if where == "first" and stage.segmented:
+            assert b_mm > 0   # the layers after the first are split
 
 
 # ------------------------------------------------------------------ what the split cannot prove safe
