@@ -111,7 +111,7 @@ class ScheduleConfig:
                                              "this", check=finite(0, above=True, what="number of GiB"), metavar="GiB")
     link_gbps: float | None = setting(None, "with --partition profile: the bandwidth of every link between pipeline "
                                             "neighbours, in Gbit/s (latency taken as 0), instead of measuring each "
-                                            "link at start (a ping-pong per pair)",
+                                            "link at start (round trips between each pair)",
                                       check=finite(0, above=True, what="number of Gbit/s"), metavar="Gbit/s")
 
 
