@@ -7,12 +7,12 @@ it with paired communication (lower.py) and proves it (verify.py): the exact pro
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
-from .actions import Action, Kind, Schedule, ScheduleError, steps_of
+from .actions import Action, Kind, Schedule, ScheduleError, Step, steps_of
 from .costs import Costs, boundary_comm
 from .lower import lower
-from .simulate import simulate
+from .simulate import Dataflow, simulate
 from .synth import synthesise
 from .vshape import dualpipev, zbv
 from .verify import validate
@@ -281,31 +281,48 @@ def shortest_lowering(orders: Sequence[Schedule], costs: Costs | Sequence[Costs]
     (lower.py, [Note: batches by time]), and where transfers cost time also from a witness that counts them, the
     one shortest in simulation with ``costs`` that the validator proves;
     ties go to the earlier order and to the usual batches (fewer steps). Raises the validator's error if none is
-    proven."""
-    variants: list[Schedule] = []
-    comm = costs is not None and any(boundary_comm(costs, orders[0])) if orders else False
-    for order in orders:
-        for with_comm in (False, True) if comm else (False,):
-            usual = lower(order, costs, with_comm=with_comm)
-            by_time = lower(order, costs, by_time=True, with_comm=with_comm)
-            variants += [v for v in (usual, by_time) if all(v.programs != u.programs for u in variants)]
-    if len(variants) > 1:
-        c = costs or Costs()
-
-        def makespan(v: Schedule) -> float:
+    proven. The variants are made and simulated in that order, and the first that runs at the orders' data-dependency
+    bound (``Dataflow``: no lowering is shorter) is taken at once."""
+    c = costs or Costs()
+    comm = boundary_comm(c, orders[0]) if orders else []
+    bound: float | None = None
+    timed: list[tuple[float, Schedule]] = []
+    for v in _lowerings(orders, costs, any(comm)):
+        if bound is None:   # (after the first lowering: it checked the orders are complete)
+            bound = min(flow.makespan(flow.durations(c), comm) for flow in map(Dataflow, orders))
+        try:
+            makespan = simulate(v, c).makespan
+        except ScheduleError:   # deadlocks: left for validate to explain if it is the only one
+            makespan = float("inf")
+        if makespan <= bound * (1 + 1e-12) + 1e-12:
             try:
-                return simulate(v, c).makespan
-            except ScheduleError:   # deadlocks: left for validate to explain if it is the only one
-                return float("inf")
-        variants.sort(key=makespan)   # stable: ties keep the order above
-    for v in variants[:-1]:
+                validate(v)
+                return v
+            except ScheduleError:
+                pass
+        timed.append((makespan, v))
+    timed.sort(key=lambda mv: mv[0])   # stable: ties keep the order above
+    for _, v in timed[:-1]:
         try:
             validate(v)
             return v
         except ScheduleError:   # a split batch can close a cycle the usual batch does not: try the next
             continue
-    validate(variants[-1])
-    return variants[-1]
+    validate(timed[-1][1])
+    return timed[-1][1]
+
+
+def _lowerings(orders: Sequence[Schedule], costs: Costs | Sequence[Costs] | None, comm: bool) -> Iterator[Schedule]:
+    """Each order lowered the usual way and by witness time, from a witness without and (``comm``) with transfers,
+    in that order, each distinct program once."""
+    seen: list[list[list[Step]]] = []
+    for order in orders:
+        for with_comm in (False, True) if comm else (False,):
+            for by_time in (False, True):
+                v = lower(order, costs, by_time=by_time, with_comm=with_comm)
+                if all(v.programs != programs for programs in seen):
+                    seen.append(v.programs)
+                    yield v
 
 
 def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -104,7 +105,8 @@ class _Run:
         # backward one); a stream's shape header (a few integers, once per step) is taken to cost nothing
         self.comm: list[dict[Action, float]] = [
             {a: 0.0 if d == "H" else comm[stage if d == "F" else stage - 1] for a in partners
-             for d, _, stage in (transfer_id(schedule, p, a),)} for p, partners in enumerate(self.partners)]
+             for d, _, stage in (transfer_id(schedule, p, a),)} for p, partners in enumerate(self.partners)
+        ] if any(comm) else [collections.defaultdict(float) for _ in self.partners]   # free: no lookup to build
         self.pc = [0] * self.n
         self.clock = [0.0] * self.n
         self.busy = [0.0] * self.n
