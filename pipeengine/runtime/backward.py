@@ -22,8 +22,9 @@ backward pass recomputes a region, so one pass over the roots is cheaper than on
 W makes one autograd call per group, all under one ``GraphExecGroup``, so a layer that recomputes
 itself recomputes once in W, not once per group. Each call's cost grows with the graph below its branch
 nodes (autograd walks it to find what is needed), so a stage of several layers runs B and W a layer at a
-time ([Note: segments] in stage.py). The graph is walked once per microbatch (:func:`walk`: consumers and
-custom functions together) and the parameters' AccumulateGrad nodes are found once per stage.
+time ([Note: segments] in stage.py). The groups are found once per graph shape (:class:`Recipe`: node types,
+edges and which parameter each AccumulateGrad is, checked per microbatch by a cheaper walk, :func:`shape_of`),
+and the parameters' AccumulateGrad nodes once per stage.
 
 A graph holding a custom ``autograd.Function`` is split at all only if nothing proves it unsafe,
 and nothing can: its backward may change its incoming gradient in place (a gradient B kept for W
@@ -47,8 +48,8 @@ from torch.autograd.graph import GradientEdge, Node
 
 SPLIT_SAFE = "split_backward_safe"   # a custom autograd.Function's promise, see the module docstring
 
-__all__ = ["SPLIT_SAFE", "WeightGroup", "Graph", "walk", "accumulators", "weight_groups", "custom_functions",
-           "run_backward", "backward_keeping", "backward_weights"]
+__all__ = ["SPLIT_SAFE", "WeightGroup", "Graph", "walk", "shape_of", "Recipe", "accumulators", "weight_groups",
+           "custom_functions", "run_backward", "backward_keeping", "backward_weights"]
 
 Tensors = tuple[torch.Tensor, ...]
 Grads = tuple[torch.Tensor | None, ...]
@@ -107,6 +108,52 @@ def walk(roots: Tensors) -> Graph:
                     seen.add(nxt)
                     stack.append(nxt)
     return Graph(starts, consumers, custom)
+
+
+def shape_of(roots: Tensors, params: dict[Node, int]) -> tuple[list[Node], tuple[Any, ...]]:
+    """The nodes behind ``roots`` in a fixed visiting order, and the graph's shape: each node's type (and for a
+    parameter's AccumulateGrad, its place in ``params``, node -> index) and, per edge, the order of the node it
+    leads to. Two graphs of one shape split alike (:class:`Recipe`)."""
+    order: list[Node] = [n for n in map(_grad_node, roots) if n is not None]
+    index = {n: i for i, n in enumerate(order)}
+    key: list[Any] = [len(order)]
+    i = 0
+    while i < len(order):
+        node = order[i]
+        key.append(type(node))
+        key.append(params.get(node, -1))
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                key.append(-1)
+                continue
+            j = index.get(nxt)
+            if j is None:
+                j = index[nxt] = len(order)
+                order.append(nxt)
+            key.append(j)
+        i += 1
+    return order, tuple(key)
+
+
+@dataclass
+class Recipe:
+    """How one graph shape splits (:func:`shape_of`): its custom functions, and its weight groups and the parameters
+    W runs from the roots, as positions in the visiting order and in the parameter list."""
+
+    custom: list[str]
+    groups: list[tuple[list[int], list[int]]]
+    rest: list[int]
+
+    @staticmethod
+    def of(order: list[Node], custom: list[str], groups: list[WeightGroup],
+           rest: list[torch.Tensor], params: Tensors) -> "Recipe":
+        at, where = {n: i for i, n in enumerate(order)}, {id(p): i for i, p in enumerate(params)}
+        return Recipe(custom, [([at[n] for n in g.nodes], [where[id(p)] for p in g.params]) for g in groups],
+                      [where[id(p)] for p in rest])
+
+    def apply(self, order: list[Node], params: Tensors) -> tuple[list[WeightGroup], list[torch.Tensor]]:
+        return ([WeightGroup([order[i] for i in nodes], [params[j] for j in ps]) for nodes, ps in self.groups],
+                [params[j] for j in self.rest])
 
 
 def custom_functions(roots: Tensors) -> list[str]:

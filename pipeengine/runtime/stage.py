@@ -45,7 +45,7 @@ layer each: between two layers the output goes on hanging from an ``_Arrival`` n
 storage, no copy), so each layer's autograd graph ends there. B then runs a layer at a time from the last
 (its input gradients are the next part's root gradients: the values a whole-stage backward passes, bit for
 bit), and W's one autograd call per weight group walks one layer's graph, not everything below it: on 12
-tiny GPT blocks W took 5.9 ms as one graph, 2.4 ms in parts (``benchmarks/split_backward.py``). The first
+tiny GPT blocks W took 5.9 ms as one graph, 2.2 ms in parts (``benchmarks/split_backward.py``). The first
 stage gains too: only its first layer's inputs need no gradient, so only that layer's W runs from its roots.
 Not with recompute (its regions are the parts) nor when two layers share a parameter (W would then add its
 gradients in another order than the fused backward).
@@ -73,8 +73,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .arrival import Arrived
-from .backward import (WeightGroup, accumulators, backward_keeping, backward_weights, run_backward, walk,
-                       weight_groups)
+from .backward import (Recipe, WeightGroup, accumulators, backward_keeping, backward_weights, run_backward, shape_of,
+                       walk, weight_groups)
 from .options import PRECISIONS, check_choice, parse_recompute
 from .rng import generator_of, layer_seed
 from .tensors import describe_value, detach, device_of, floating, to_float
@@ -227,6 +227,8 @@ class Stage:
         self.segmented = segmented and per is None and len(layers) > 1 and not shared
         self._part_params = per_layer if self.segmented else [self.params]
         self._accumulators: list[list[Any] | None] = [None] * len(self._part_params)
+        self._recipes: list[dict[tuple[Any, ...], Recipe]] = [{} for _ in self._part_params]
+        self._marks: list[dict[Any, int]] = [{} for _ in self._part_params]   # AccumulateGrad node -> its parameter
         # this step's sums of (outputs or the loss, input gradients), one per tensor: non-finite iff one held a NaN/inf
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
@@ -339,18 +341,14 @@ class Stage:
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
         roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
         anchor = (self._anchor,) if saved.hangs else ()   # autograd reaches the part's inputs through it
-        graph = walk(roots) if split and saved.hangs and roots else None
-        if graph is not None and graph.custom:
+        custom, groups, rest = self._analyse(k, roots, anchor) if split and saved.hangs and roots else ([], [], None)
+        if custom:
             split = False   # a custom autograd.Function: fused in B, W does nothing ([Note: split backward])
             saved.roots, saved.rest = (), ()
         if split:   # See [Note: split backward] in backward.py
             saved.rest = self._part_params[k]
-            if graph is not None:
-                if self.regions is None:
-                    if self._accumulators[k] is None:
-                        self._accumulators[k] = accumulators(self._part_params[k])
-                    saved.groups, rest = weight_groups(graph, anchor, self._part_params[k], self._accumulators[k])
-                    saved.rest = tuple(rest)
+            if rest is not None:
+                saved.groups, saved.rest = groups, tuple(rest)
                 backward_keeping(roots, rgrads, anchor, saved.groups)
             if saved.rest:
                 saved.grads = root_grads
@@ -361,6 +359,29 @@ class Stage:
         result = saved.arrived.gradients() if saved.arrived is not None else ()
         saved.inputs, saved.arrived = (), None
         return result
+
+    def _analyse(self, k: int, roots: Tensors, anchor: Tensors) -> tuple[list[str], list[WeightGroup], list[Any]]:
+        """Part ``k``'s custom functions, weight groups and the parameters W runs from its roots (under recompute:
+        every one), as the part's graphs of this shape had them (:class:`Recipe`: the walks once per shape)."""
+        params, recipes = self._part_params[k], self._recipes[k]
+        if self._accumulators[k] is None:
+            nodes = self._accumulators[k] = accumulators(params)
+            self._marks[k] = {n: i for i, n in enumerate(nodes) if n is not None}
+        order, key = shape_of(roots, self._marks[k])
+        recipe = recipes.get(key)
+        if recipe is not None:
+            return (recipe.custom, *recipe.apply(order, params))
+        graph = walk(roots)
+        groups: list[WeightGroup]
+        rest: list[torch.Tensor]
+        if self.regions is not None:
+            groups, rest = [], list(params)
+        else:
+            groups, rest = weight_groups(graph, anchor, params, self._accumulators[k])
+        if len(recipes) >= 16:   # shapes come from a layer's control flow, not from sizes: a few; keep the recent
+            del recipes[next(iter(recipes))]
+        recipes[key] = Recipe.of(order, graph.custom, groups, rest, params)
+        return graph.custom, groups, rest
 
     def backward_weight(self, mb: int) -> None:
         """Run W after a split B: accumulate the parameter gradients and free the microbatch."""

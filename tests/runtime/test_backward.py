@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeengine.models import gpt, mlp, resnet
+from pipeengine.runtime import backward
 from pipeengine.runtime.backward import custom_functions
 from pipeengine.runtime.stage import LayerChain, Stage
 
@@ -254,3 +255,61 @@ def test_w_is_one_autograd_call_so_a_self_recomputing_layer_recomputes_once() ->
     split = _one_microbatch(copy.deepcopy(model), split=True)
     assert split[2] == 2, split[2]   # W: each layer recomputed once (was once per weight group: 4)
     assert torch.equal(fused[0], split[0]) and all(torch.equal(a, b) for a, b in zip(fused[1], split[1]))
+
+
+class TwoPaths(nn.Module):
+    """A layer whose graph depends on its input: through ``a`` then ``b``, or through ``b`` alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) if x.sum() > 0 else self.b(x)
+
+
+class Either(nn.Module):
+    """A layer whose graph has one shape either way but another parameter: ``a`` or ``b``, by its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.a if x.sum() > 0 else self.b)
+
+
+@pytest.mark.parametrize("first", [TwoPaths, Either])
+def test_a_graph_of_another_shape_is_split_anew_and_one_of_the_same_shape_reuses_its_recipe(
+        monkeypatch: pytest.MonkeyPatch, first: type[nn.Module]) -> None:
+    """The split's groups are found once per graph shape (backward.Recipe): the node types, their edges and which
+    parameter each AccumulateGrad is; a microbatch whose graph differs (a data-dependent branch, another parameter)
+    is analysed again, and every one gives the fused gradients bit for bit."""
+    import pipeengine.runtime.stage as stage_module
+    walks = []
+    monkeypatch.setattr(stage_module, "walk", lambda roots: walks.append(1) or backward.walk(roots))
+    torch.manual_seed(0)
+    layers = [first().double(), nn.Linear(6, 6).double()]
+    x = torch.randn(4, 4, 6, dtype=torch.float64)
+    x[1] = -x[1].abs() - 1   # microbatch 1 takes the other path (or parameter)
+    x[0], x[2], x[3] = x[0].abs() + 1, x[2].abs() + 1, x[3].abs() + 1
+    gy = torch.randn(4, 4, 6, dtype=torch.float64)
+    grads = {}
+    for split in (False, True):
+        ch = Stage(LayerChain(layers, 1), 1, 3, None, 4, segmented=True)
+        ch.reset()
+        for p in ch.params:
+            p.grad = None
+        inputs = []
+        for mb in range(4):
+            ch.forward(mb, x[mb].clone(), None, True)
+            inputs.append(ch.backward(mb, (gy[mb],), split))
+            if split:
+                ch.backward_weight(mb)
+        grads[split] = (inputs, [p.grad.clone() for p in ch.params])
+    for (a, b) in zip(grads[False][0], grads[True][0]):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert all(torch.equal(u, v) for u, v in zip(grads[False][1], grads[True][1]))
+    # the first layer: its first shape once, the other once (microbatches 2 and 3 reuse the first's recipe); the
+    # second layer: one shape
+    assert len(walks) == 3
