@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pipeengine.runtime.stage import LayerChain, Stage, cast_cache_scope
+from pipeengine.runtime.chain import LayerChain
+from pipeengine.runtime.stage import Stage, cast_cache_scope
 
 MIB = 2**20
 

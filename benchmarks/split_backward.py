@@ -20,7 +20,8 @@ import torch
 
 from pipeengine.models import gpt
 from pipeengine.runtime.hostalloc import keep_freed_memory
-from pipeengine.runtime.stage import LayerChain, Stage
+from pipeengine.runtime.chain import LayerChain
+from pipeengine.runtime.stage import Stage
 
 
 def main() -> None:

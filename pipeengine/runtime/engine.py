@@ -31,7 +31,8 @@ from .plan import Plan, make_plan
 from .release import opened, release
 from .results import StepResult, StepState
 from .rng import generator_of, kept, microbatch_key, step_key
-from .stage import DTYPES, LayerChain, Stage, cast_cache_scope
+from .chain import LayerChain
+from .stage import DTYPES, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
 from .wire import Wire

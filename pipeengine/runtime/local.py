@@ -11,7 +11,8 @@ from torch import nn
 from .grad_sync import broadcast_buffers
 from .layers import LayerSpec, build_layer
 from .plan import Plan
-from .stage import LayerChain, Stage
+from .chain import LayerChain
+from .stage import Stage
 from .ties import Ties
 from .topology import ProcessGroups, Topology, build_groups
 

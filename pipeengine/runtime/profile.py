@@ -25,7 +25,8 @@ from .hangs import ranks_text
 from .layers import LayerSpec, build_layer
 from .logs import log
 from .planner import LayerCost, partition
-from .stage import DTYPES, LayerChain, Stage
+from .chain import LayerChain
+from .stage import DTYPES, Stage
 from .tensors import detach, flat, to_device
 
 __all__ = ["profile_layers", "profile_shares", "shared_costs", "layer_kind"]

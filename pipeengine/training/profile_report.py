@@ -11,7 +11,7 @@ from ..runtime.layers import build_layers
 from ..runtime.auto import auto_schedule
 from ..runtime.planner import PartitionError, choose_bounds
 from ..runtime.profile import profile_layers
-from ..runtime.stage import LayerError
+from ..runtime.chain import LayerError
 from ..schedule import SCHEDULES, Costs, compile_schedule, simulate
 from ..schedule.builders import default_chunks
 from ..schedule.simulate import in_flight_peaks

@@ -144,7 +144,7 @@ def reference(model: str, opt: str, microbatches: int = 1) -> tuple[list[float],
     (> 1: what a model that draws random numbers needs) the batch runs as that many microbatches, each drawing
     from the streams the engine keys to (seed 0, layer, microbatch, step): see pipeengine/runtime/rng.py."""
     from pipeengine.runtime.rng import microbatch_key, step_key
-    from pipeengine.runtime.stage import LayerChain
+    from pipeengine.runtime.chain import LayerChain
     torch.set_default_dtype(torch.float64)
     _, data, _, build = MODELS[model]
     layers = build()

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipeengine.models import gpt, mlp, resnet
 from pipeengine.runtime import backward
 from pipeengine.runtime.backward import custom_functions
-from pipeengine.runtime.stage import LayerChain, Stage
+from pipeengine.runtime.chain import LayerChain
+from pipeengine.runtime.stage import Stage
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.convolution_backward.default}
