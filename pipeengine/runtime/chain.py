@@ -44,14 +44,6 @@ class LayerChain(nn.Module):
     def forward(self, x: Any, key: int | None = None, between: Callable[[Any], Any] | None = None) -> Any:
         """``between``: applied to every layer's output but the last's (a segmented stage's cut)."""
         last = len(self.layers) - 1
-        if self.ran:
-            for i, layer in enumerate(self.layers):
-                if key is not None:
-                    self._seed(x, key, i)
-                x = layer(x)
-                if between is not None and i < last:
-                    x = between(x)
-            return x
         i = 0
         try:
             for i, layer in enumerate(self.layers):
@@ -60,12 +52,12 @@ class LayerChain(nn.Module):
                 x = layer(x)
                 if between is not None and i < last:
                     x = between(x)
-            self.ran = True
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            if isinstance(exc, (LayerError, torch.OutOfMemoryError)):
-                raise
+            if self.ran or isinstance(exc, (LayerError, torch.OutOfMemoryError)):
+                raise   # (once the chain ran, an error is a bug, not an input that does not fit)
             raise LayerError(f"layer {self.first + i} ({type(self.layers[i]).__name__}) cannot take its input "
                              f"{describe_value(x)}: {(str(exc).splitlines() or [''])[0]}", self.first + i) from exc
+        self.ran = True
         return x
 
     def _seed(self, x: Any, key: int, i: int) -> None:
