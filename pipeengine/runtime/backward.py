@@ -29,7 +29,7 @@ and the parameters' AccumulateGrad nodes once per stage.
 A graph holding a custom ``autograd.Function`` is split at all only if nothing proves it unsafe,
 and nothing can: its backward may change its incoming gradient in place (a gradient B kept for W
 would change under it: wrong dW) or compute dW in B and again in W. Such a microbatch runs its
-backward fused in B (:func:`custom_functions` finds them) and W does nothing: never wrong, and
+backward fused in B (:func:`walk` finds them) and W does nothing: never wrong, and
 never slower than unsplit. A Function whose author promises both (its backward leaves its incoming
 gradient alone and computes only the gradients asked of it) says so with a class attribute
 ``split_backward_safe = True`` (``SPLIT_SAFE``), and is split like torch's own nodes.
@@ -49,7 +49,7 @@ from torch.autograd.graph import GradientEdge, Node
 SPLIT_SAFE = "split_backward_safe"   # a custom autograd.Function's promise, see the module docstring
 
 __all__ = ["SPLIT_SAFE", "WeightGroup", "Graph", "walk", "shape_of", "Recipe", "accumulators", "weight_groups",
-           "custom_functions", "run_backward", "backward_keeping", "backward_weights"]
+           "run_backward", "backward_keeping", "backward_weights"]
 
 Tensors = tuple[torch.Tensor, ...]
 Grads = tuple[torch.Tensor | None, ...]
@@ -154,11 +154,6 @@ class Recipe:
     def apply(self, order: list[Node], params: Tensors) -> tuple[list[WeightGroup], list[torch.Tensor]]:
         return ([WeightGroup([order[i] for i in nodes], [params[j] for j in ps]) for nodes, ps in self.groups],
                 [params[j] for j in self.rest])
-
-
-def custom_functions(roots: Tensors) -> list[str]:
-    """The custom ``autograd.Function`` nodes in the graph behind ``roots`` (their class names)."""
-    return walk(roots).custom
 
 
 def _downstream(starts: list[Node], consumers: dict[Node, list[Node]]) -> set[Node]:

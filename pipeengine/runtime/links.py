@@ -39,9 +39,14 @@ class Links:
     bandwidth: tuple[float, ...]
     how: str = "measured"   # or "stated" (--link-gbps), "given" (a fixed cost per transfer)
 
+    @property
+    def pp(self) -> int:
+        """Positions: one per hop, but two for the single hop of pp 2."""
+        return len(self.latency) if len(self.latency) > 1 else 2
+
     def hop(self, p: int, q: int) -> int:
         """The hop between neighbouring positions p and q."""
-        pp = len(self.latency) if len(self.latency) > 1 else 2
+        pp = self.pp
         if q == (p + 1) % pp:
             return p % len(self.latency)
         if p == (q + 1) % pp:
@@ -56,8 +61,7 @@ class Links:
         return self.latency[h] + nbytes / self.bandwidth[h]
 
     def describe(self) -> str:
-        pp = len(self.latency) if len(self.latency) > 1 else 2
-        hops = ", ".join(f"{h}<->{(h + 1) % pp} {1e6 * lat:.0f} us {bw * 8 / 1e9:.2f} Gbit/s"
+        hops = ", ".join(f"{h}<->{(h + 1) % self.pp} {1e6 * lat:.0f} us {bw * 8 / 1e9:.2f} Gbit/s"
                          for h, (lat, bw) in enumerate(zip(self.latency, self.bandwidth)))
         return f"links ({self.how}; latency, bandwidth): {hops}"
 

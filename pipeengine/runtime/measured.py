@@ -7,7 +7,7 @@ from typing import Sequence
 
 from ..schedule import Costs, Schedule
 
-__all__ = ["LayerCost", "Choice", "position_sizes"]
+__all__ = ["LayerCost", "Choice", "position_sizes", "with_transfers"]
 
 
 @dataclass
@@ -51,8 +51,7 @@ class Choice:
 
     def costs(self) -> list[Costs]:
         """Per stage, its F, B, W and the transfer to the next stage: what the step was simulated with."""
-        comm = self.comm or [0.0] * (len(self.stage_costs) - 1)
-        return [Costs(f, b, w, comm[s] if s < len(comm) else 0.0) for s, (f, b, w) in enumerate(self.stage_costs)]
+        return with_transfers(self.stage_costs, self.comm)
 
     def mean_costs(self) -> Costs:
         """One stage's average F, B, W and transfer: what the schedule is lowered with."""
@@ -90,3 +89,9 @@ def position_sizes(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: 
         params[p] += sum(c.param_bytes for c in layers)
         act[p] = max(act[p], float(sum(c.activation_bytes for c in layers)))
     return list(zip(params, act))
+
+
+def with_transfers(stage_costs: Sequence[tuple[float, float, float]], comm: Sequence[float]) -> list[Costs]:
+    """Per stage its (F, B, W) and ``comm[s]``, the transfer to the next stage (none after the last, none at all
+    when ``comm`` is empty)."""
+    return [Costs(f, b, w, comm[s] if s < len(comm) else 0.0) for s, (f, b, w) in enumerate(stage_costs)]

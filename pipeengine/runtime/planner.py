@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 from ..schedule import Costs, Schedule, simulate
 from ..schedule.simulate import Dataflow
 from .links import Links
-from .measured import Choice, LayerCost, position_sizes
+from .measured import Choice, LayerCost, position_sizes, with_transfers
 
 if TYPE_CHECKING:   # the planner itself is torch-free: the schedule tool plans from given costs with it
     from torch import nn
@@ -144,6 +144,7 @@ class _Splits:
             for k, x in enumerate((f, b, w, f + b + w)):
                 self.prefix[k].append(self.prefix[k][-1] + x)
         self.stage_at = [[schedule.stage(p, c) for c in range(schedule.chunks)] for p in range(schedule.pp)]
+        self.where = [schedule.placement(s)[0] for s in range(self.stages)]   # each stage's position
         self.peaks = simulate(schedule, Costs()).peak_in_flight
         self.timer = Dataflow(schedule)
         self.scored = 0
@@ -165,8 +166,7 @@ class _Splits:
         """[s]: seconds of a transfer between stage s and s + 1 (its last layer's output over their link)."""
         if self.links is None:
             return [0.0] * (self.stages - 1)
-        where = [self.schedule.placement(s)[0] for s in range(self.stages)]
-        return [self.links.seconds(where[s], where[s + 1], self.costs[bounds[s + 1] - 1].output_bytes)
+        return [self.links.seconds(self.where[s], self.where[s + 1], self.costs[bounds[s + 1] - 1].output_bytes)
                 for s in range(self.stages - 1)]
 
     def stage_costs(self, bounds: Sequence[int]) -> list[tuple[float, float, float]]:
@@ -191,8 +191,7 @@ class _Splits:
     def exact(self, bounds: Sequence[int]) -> float:
         """The simulated makespan of the lowered schedule with each stage's own costs."""
         self.scored += 1
-        comm = self.comm(bounds) + [0.0]
-        return simulate(self.schedule, [Costs(*c, comm[s]) for s, c in enumerate(self.stage_costs(bounds))]).makespan
+        return simulate(self.schedule, with_transfers(self.stage_costs(bounds), self.comm(bounds))).makespan
 
     def choice(self, bounds: Sequence[int], makespan: float) -> Choice:
         return Choice(list(bounds), self.stage_costs(bounds), makespan, self.memory(bounds), self.scored,

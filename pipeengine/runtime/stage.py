@@ -133,7 +133,11 @@ class _Saved:
     groups: list[WeightGroup] = field(default_factory=list)   # split backward: what W runs from
     rest: Tensors = ()               # split backward: parameters W reaches from the roots
     arrived: Arrived | None = None  # the received inputs and, after B, their gradients
-    hangs: bool = False              # its inputs hang from the stage's anchor (B computes their gradients)
+
+    @property
+    def hangs(self) -> bool:
+        """Its inputs hang from the stage's anchor (B computes their gradients; until B ran)."""
+        return self.arrived is not None and self.arrived.count > 0
 
 
 class Stage:
@@ -238,7 +242,7 @@ class Stage:
         for (ins, _), cut in zip(starts, ends[:-1]):
             for t in cut:
                 _deallocate(t, ins)
-        self.saved[mb] = [_Saved(ins if k == 0 else (), r, arrived=arr, hangs=bool(ins))
+        self.saved[mb] = [_Saved(ins if k == 0 else (), r, arrived=arr)
                           for k, ((ins, arr), r) in enumerate(zip(starts, ends))]
         self.peak_stored = max(self.peak_stored, len(self.saved))
         if self.is_last:

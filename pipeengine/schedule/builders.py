@@ -212,15 +212,14 @@ SYNTHESISED = ("zb-h2", "interleaved-zb", "v-half", "v-min")
 
 
 def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None, *, lag_w: bool = True,
-                   placement: str = "loop", costs: Costs | Sequence[Costs] | None = None,
-                   synthesised: bool = False) -> Schedule:
+                   placement: str = "loop", costs: Costs | Sequence[Costs] | None = None) -> Schedule:
     """A compute-only schedule by name (see ``SCHEDULES``); ValueError says what would work.
 
     ``chunks`` None takes the schedule's own (2 for the interleaved and V ones, else 1); ``placement``
     is for "forward" only (the evaluation program of a training schedule runs on its placement).
     zb-h2, v-half and v-min are synthesised (synth.py) for ``costs`` (per stage: one Costs or one per stage;
     default f = b = w = 1) under their memory caps; interleaved-zb is :func:`interleaved_zb` when pp divides the
-    microbatches, else (or with ``synthesised``) synthesised under that order's memory cap.
+    microbatches, else synthesised under that order's memory cap.
     """
     if chunks is None:
         chunks = default_chunks(name)
@@ -241,8 +240,7 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
     if name == "interleaved-zb" and chunks < 2:
         raise ValueError(f"interleaved-zb needs chunks >= 2 (got {chunks}); use zb-h1 or zb-h2 for one stage "
                          f"per position")
-    structured = name == "interleaved-zb" and microbatches % pp == 0 and not synthesised
-    if name in SYNTHESISED and not structured:
+    if name in SYNTHESISED and not (name == "interleaved-zb" and microbatches % pp == 0):
         return synthesise(name, pp, microbatches, chunks, placement, Costs() if costs is None else costs,
                           synthesis_caps(name, pp, microbatches, chunks))
     builders: dict[str, Callable[[], list[Program]]] = {
@@ -266,13 +264,16 @@ def compile_schedule(name: str, pp: int, microbatches: int, chunks: int | None =
     ``costs`` (per stage; default uniform f = b = w) order the communication: the schedule is
     lowered with them (see :func:`lower`). Where variants differ they are simulated with those costs and the
     fastest valid one kept, ties going to the usual one: batches of one witness time besides the usual batches
-    (lower.py, [Note: batches by time]); for zb-h1 also the W ordering that is not the paper's H1.
+    (lower.py, [Note: batches by time]); for zb-h1 also the W ordering that is not the paper's H1, for
+    interleaved-zb also the greedy order under the same memory cap.
     """
     builds = [build_schedule(name, pp, microbatches, chunks, placement=placement, costs=costs)]
     if name == "zb-h1":
         builds.append(build_schedule(name, pp, microbatches, chunks, lag_w=False))
-    if name == "interleaved-zb" and microbatches % pp == 0:
-        builds.append(build_schedule(name, pp, microbatches, chunks, costs=costs, synthesised=True))
+    if name == "interleaved-zb" and microbatches % pp == 0:   # the greedy order under its cap, when shorter
+        v = builds[0].chunks
+        builds.append(synthesise(name, pp, microbatches, v, "loop", Costs() if costs is None else costs,
+                                 synthesis_caps(name, pp, microbatches, v)))
     return shortest_lowering(builds, costs)
 
 

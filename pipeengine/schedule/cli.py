@@ -185,6 +185,7 @@ def _auto(args: argparse.Namespace) -> int:
     """--schedule auto from given per-layer costs: what the trainer's auto would choose, and its timeline."""
     from ..runtime.auto import auto_schedule   # an entry point may plan with the runtime's planner (torch-free)
     from ..runtime.links import fixed_links
+    from ..runtime.measured import with_transfers
     from ..runtime.planner import LayerCost, PartitionError
     try:
         layers = _layer_costs(args)
@@ -196,8 +197,7 @@ def _auto(args: argparse.Namespace) -> int:
     except (ValueError, PartitionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    stages = zip(choice.stage_costs, choice.comm + [0.0])
-    result = simulate(choice.schedule, [Costs(f, b, w, c) for (f, b, w), c in stages])
+    result = simulate(choice.schedule, with_transfers(choice.stage_costs, choice.comm))
     print(render_timeline(result, args.width))
     print()
     print(choice.describe(unit="units"))
