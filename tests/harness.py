@@ -96,7 +96,10 @@ def _collect(queue: Any, procs: list[Any], world_size: int, timeout: float) -> l
             errors = {r: v for r, (s, v) in results.items() if s == "error"}
             raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s; errors from other ranks: "
                                f"{errors}")
-        if all(not p.is_alive() for p in procs) and queue.empty():
+        if all(not p.is_alive() for r, p in enumerate(procs) if r not in results) and queue.empty():
+            time.sleep(0.2)   # (a rank that reported may still hold its result in the queue's pipe)
+            if not queue.empty():
+                continue
             missing = sorted(set(range(world_size)) - set(results))
             raise RuntimeError(f"ranks {missing} died without reporting (exit codes {[p.exitcode for p in procs]})")
         time.sleep(0.01)

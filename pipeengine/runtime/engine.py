@@ -35,7 +35,7 @@ from .chain import LayerChain
 from .stage import DTYPES, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
-from .wire import Wire
+from .wire import Wire, shape_table
 from .update import Update
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
@@ -318,7 +318,7 @@ class PipelineEngine:
                 if self.needs_data else ([], []))
         state = StepState(train, keep_outputs, *data)
         state.key = step_key(self.seed, self.step_count, train)
-        self.wire.begin_step()
+        self.wire.begin_step(shape_table(state.inputs))   # [Note: ragged microbatches]
         # one low-precision copy per weight and step; the caller's RNG as it was (rng.py)
         with cast_cache_scope(self.device, self.precision), kept(generator_of(self.device)):
             for idx, step in enumerate(program):

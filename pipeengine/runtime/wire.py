@@ -10,7 +10,18 @@ step, so a payload receive is posted with known shapes and no receive is deferre
 is the one transfer the host reads: once per stream and step). Gradients need no header: they
 have the shapes of what this rank sent.
 Header: int64 ``[packed, count, (dtype code, ndim, dims...)*]`` padded to ``HEADER_LEN``;
-``packed``: the stage returned a tuple (a tuple again on the other side, as in ``nn.Sequential``).
+``packed``: the stage returned a tuple (a tuple again on the other side, as in ``nn.Sequential``);
+then the step's shape table ``[d, (dims of microbatch k's input)*]`` (``RAGGED_DIMS`` entries each; ``d``
+0: every microbatch has one shape), see [Note: ragged microbatches].
+
+[Note: ragged microbatches]
+Microbatches of one step may have shapes of their own (documents of different lengths): the
+first stage knows every microbatch's input shape before the step starts, and the header it sends
+anyway carries them, each stage's header passing the table on. A tensor between stages whose
+leading dimensions are the stream's first microbatch's input shape has, for microbatch k, microbatch
+k's input shape there instead (``follow``); any other keeps its shape. Both sides derive every
+buffer's shape so, the sender checks each output against it: no message and no host read more than
+with fixed shapes. Gradients have the shapes of what was sent.
 
 [Note: boundary dtype]
 With ``boundary`` (``--boundary-dtype bf16``) every fp32 tensor crosses the wire as bf16, activations
@@ -51,9 +62,11 @@ from ..schedule import Action, Kind, Step
 from .device import constant
 from .faults import Watch, WaitTimeout, watch
 
-__all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "flatten", "MAX_TAG"]
+__all__ = ["P2PTimeout", "TensorMeta", "Wire", "encode_header", "decode_header", "describe", "flatten", "MAX_TAG",
+           "header_length", "shape_table", "follow"]
 
-HEADER_LEN = 64
+HEADER_LEN = 64       # the tensors' part; the shape table follows (header_length)
+RAGGED_DIMS = 4       # a ragged input has at most this many dimensions
 MAX_TAG = 2**24
 MAX_TENSORS = 15
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -76,8 +89,37 @@ def describe(metas: Sequence[TensorMeta]) -> str:
     return ", ".join(f"{str(m.dtype).replace('torch.', '')}{list(m.shape)}" for m in metas) or "nothing"
 
 
-def encode_header(packed: bool, metas: Sequence[TensorMeta], device: torch.device | None = None) -> torch.Tensor:
-    """The fixed-size int64 header announcing a stream's tensors."""
+Table = tuple[tuple[int, ...], ...]   # each microbatch's input shape (None: one shape for all)
+
+
+def header_length(microbatches: int) -> int:
+    return HEADER_LEN + 1 + RAGGED_DIMS * microbatches
+
+
+def shape_table(inputs: Sequence[Any]) -> Table | None:
+    """Each microbatch's input shape (its first tensor's), or None when they are all one shape."""
+    shapes = tuple(tuple((x if isinstance(x, torch.Tensor) else x[0]).shape) for x in inputs)
+    if len(set(shapes)) <= 1:
+        return None
+    if len({len(s) for s in shapes}) > 1 or len(shapes[0]) > RAGGED_DIMS:
+        raise ValueError(f"the microbatches' inputs have shapes {', '.join(str(list(s)) for s in shapes)}: shapes "
+                         f"may change between the microbatches of a step only in size, with one number of "
+                         f"dimensions (at most {RAGGED_DIMS})")
+    return shapes
+
+
+def follow(metas: Sequence[TensorMeta], table: Table | None, first: int, mb: int) -> tuple[TensorMeta, ...]:
+    """The shapes for microbatch ``mb`` of a stream announced for microbatch ``first`` ([Note: ragged microbatches])."""
+    if table is None or mb == first:
+        return tuple(metas)
+    base, mine = table[first], table[mb]
+    return tuple(TensorMeta(mine + m.shape[len(base):], m.dtype) if m.shape[:len(base)] == base else m
+                 for m in metas)
+
+
+def encode_header(packed: bool, metas: Sequence[TensorMeta], device: torch.device | None = None,
+                  table: Table | None = None, microbatches: int = 0) -> torch.Tensor:
+    """The fixed-size int64 header announcing a stream's tensors (and the step's shape table)."""
     if len(metas) > MAX_TENSORS:
         raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors to the next one (got {len(metas)}); "
                          f"pack them into fewer tensors")
@@ -90,12 +132,21 @@ def encode_header(packed: bool, metas: Sequence[TensorMeta], device: torch.devic
     if len(out) > HEADER_LEN:
         raise ValueError(f"the shapes {describe(metas)} need a {len(out)}-entry header, more than "
                          f"{HEADER_LEN}; pass fewer or lower-rank tensors between stages")
-    return constant(out + [0] * (HEADER_LEN - len(out)), torch.int64, device or torch.device("cpu"))
+    out += [0] * (HEADER_LEN - len(out))
+    tdim = len(table[0]) if table else 0
+    out += [tdim, *(d for s in (table or ()) for d in s + (0,) * (RAGGED_DIMS - tdim))]
+    assert len(out) <= header_length(microbatches), "a shape table longer than the step's microbatches"
+    out += [0] * (header_length(microbatches) - len(out))
+    return constant(out, torch.int64, device or torch.device("cpu"))
 
 
-def decode_header(values: Sequence[int]) -> tuple[bool, tuple[TensorMeta, ...]]:
-    """What a header announces (``values``: the received header tensor's values)."""
+def decode_header(values: Sequence[int]) -> tuple[bool, tuple[TensorMeta, ...], Table | None]:
+    """What a header announces (``values``: the received header tensor's values): packed, metas, shape table."""
     h = [int(x) for x in values]
+    tdim = h[HEADER_LEN] if len(h) > HEADER_LEN else 0
+    if not 0 <= tdim <= RAGGED_DIMS:
+        raise ValueError(f"corrupt header: a shape table of {tdim} dimensions")
+    table = tuple(tuple(h[i:i + tdim]) for i in range(HEADER_LEN + 1, len(h), RAGGED_DIMS)) if tdim else None
     if h[0] not in (0, 1) or not 0 <= h[1] <= MAX_TENSORS:
         raise ValueError(f"corrupt header {h[:4]}...: the peer sent something else (schedules out of order?)")
     metas, i = [], 2
@@ -105,7 +156,7 @@ def decode_header(values: Sequence[int]) -> tuple[bool, tuple[TensorMeta, ...]]:
             raise ValueError(f"corrupt header entry at {i}: {h[i:i + 2]}")
         metas.append(TensorMeta(tuple(h[i + 2:i + 2 + ndim]), DTYPES[code]))
         i += 2 + ndim
-    return bool(h[0]), tuple(metas)
+    return bool(h[0]), tuple(metas), table
 
 
 def flatten(value: Any) -> tuple[bool, Tensors]:
@@ -153,6 +204,7 @@ class Wire:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
                              f"Gloo's {MAX_TAG}; use fewer microbatches or the 'strict' wire mode (one tag per pair)")
         self.device, self.global_rank, self.stage_of, self.num_stages = device, global_rank, stage_of, num_stages
+        self.microbatches = microbatches
         self.mode, self.coalesce, self.group = mode, coalesce, group
         self.boundary = boundary   # fp32 tensors travel as this dtype (and come back fp32): [Note: boundary dtype]
         self.watch = watcher   # times every wait (faults.py); default: the process group's
@@ -163,12 +215,14 @@ class Wire:
 
     # ------------------------------------------------------------------ per-step state
 
-    def begin_step(self) -> None:
-        """Forget the previous step's streams (shapes may change between steps, not within one)."""
+    def begin_step(self, table: Table | None = None) -> None:
+        """Forget the previous step's streams. ``table``: each microbatch's input shape when they differ (known where
+        the data is read; elsewhere a header brings it, see [Note: ragged microbatches])."""
+        self._table = table
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
         self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
-        self._streams: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}      # producer stage -> agreed
+        self._streams: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}  # producer stage -> the same
         self._sends: list[_Transfer] = []
         self._last_step: list[_Transfer] = []
         self._posted = 0                                                         # transfers posted so far
@@ -205,23 +259,31 @@ class Wire:
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)
         if a.kind is Kind.SEND_H:
             self._sent[stage] = (a.microbatch, packed, metas)
-            return (encode_header(packed, metas, self.device),)
+            return (encode_header(packed, metas, self.device, self._table, self.microbatches),)
         del self._outgoing[(Kind.F, a.microbatch, a.chunk)]
         first, first_packed, first_metas = self._sent[stage]
-        if (packed, metas) != (first_packed, first_metas):
-            raise ValueError(f"stage {stage} output for microbatch {a.microbatch} is ({describe(metas)}) but for "
-                             f"microbatch {first} of this step it was ({describe(first_metas)}): all microbatches "
-                             f"of one step must share shapes and dtypes (pad them); they may change between steps")
+        expected = follow(first_metas, self._table, first, a.microbatch)
+        if (packed, metas) != (first_packed, expected):
+            if self._table is None:
+                raise ValueError(f"stage {stage} output for microbatch {a.microbatch} is ({describe(metas)}) but for "
+                                 f"microbatch {first} of this step it was ({describe(first_metas)}): with inputs of "
+                                 f"one shape, all microbatches of one step must share shapes and dtypes (pad them); "
+                                 f"they may change between steps")
+            raise ValueError(f"stage {stage} output for microbatch {a.microbatch} is ({describe(metas)}), but its "
+                             f"input shape {list(self._table[a.microbatch])} makes it ({describe(expected)}): with "
+                             f"shapes that change per microbatch a tensor between stages either starts with the "
+                             f"microbatch's input shape or keeps one shape (microbatch {first}: "
+                             f"{describe(first_metas)}, input {list(self._table[first])})")
         return self._narrow(tensors)
 
     def _recv_buffers(self, a: Action) -> Tensors:
         stage = self.stage_of(a.chunk)
         if a.kind is Kind.RECV_H:
-            return (torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device),)
-        if a.kind is Kind.RECV_F:
-            metas = self._streams[stage - 1][1]
-        else:   # gradients of the floating-point activations this stage sent
-            metas = tuple(m for m in self._sent[stage][2] if m.dtype.is_floating_point)
+            return (torch.zeros(header_length(self.microbatches), dtype=torch.int64, device=self.device),)
+        first, _, metas = self._streams[stage - 1] if a.kind is Kind.RECV_F else self._sent[stage]
+        metas = follow(metas, self._table, first, a.microbatch)
+        if a.kind is Kind.RECV_B:   # gradients of the floating-point activations this stage sent
+            metas = tuple(m for m in metas if m.dtype.is_floating_point)
         return tuple(torch.empty(m.shape, dtype=self._on_wire(m.dtype), device=self.device) for m in metas)
 
     def post(self, step: Step, after_compute: bool = True) -> None:
@@ -249,7 +311,8 @@ class Wire:
             if tr.action.kind is Kind.RECV_H:   # the one transfer the host reads (watched on CUDA too)
                 self._complete(tr)
                 values = self._watch().host_values(tr.tensors[0], (tr.action,), [tr.rank], error=P2PTimeout)
-                self._streams[self.stage_of(tr.action.chunk) - 1] = decode_header(values)
+                packed, metas, self._table = decode_header(values)
+                self._streams[self.stage_of(tr.action.chunk) - 1] = (tr.action.microbatch, packed, metas)
 
     def settle(self, after_compute: bool = True) -> bool:
         """Complete what the proven program completes before the next comm step: Gloo's earlier sends
@@ -307,7 +370,7 @@ class Wire:
         if kind is Kind.RECV_B:   # the gradients of what this stage sent: its floating-point tensors' dtypes
             return tr.tensors if self.boundary is None else self._widen(
                 tr.tensors, [m.dtype for m in self._sent[stage][2] if m.dtype.is_floating_point])
-        packed, metas = self._streams[stage - 1]
+        _, packed, metas = self._streams[stage - 1]
         tensors = tr.tensors if self.boundary is None else self._widen(tr.tensors, [m.dtype for m in metas])
         return tensors if packed else tensors[0]
 

@@ -41,9 +41,11 @@ ACT = (256, 256)   # one boundary activation: 256 KiB of float32
 
 
 def live_activations(engine: Any) -> float:
-    """Boundary and activation bytes alive right now, in activations (storages counted once)."""
+    """Boundary and activation bytes alive right now, in activations (storages counted once; not the int64 shape
+    headers, whose step's shape table holds a few bytes per microbatch)."""
     tensors = [r() for r in TRACKED] + engine.wire.live_tensors()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t is not None and t.is_floating_point()}
     return sum(storages.values()) / (ACT[0] * ACT[1] * 4)
 
 

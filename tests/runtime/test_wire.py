@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pipeengine.runtime.faults import watch
-from pipeengine.runtime.wire import HEADER_LEN, P2PTimeout, TensorMeta, Wire, decode_header, describe, encode_header
+from pipeengine.runtime.wire import (HEADER_LEN, P2PTimeout, TensorMeta, Wire, decode_header, describe, encode_header,
+                                     header_length)
 from pipeengine.schedule import Action, Kind
 from tests.harness import run_distributed
 
@@ -17,9 +18,9 @@ from tests.harness import run_distributed
 def test_header_round_trip() -> None:
     metas = (TensorMeta((4, 16, 8), torch.float32), TensorMeta((4, 16), torch.int64), TensorMeta((), torch.bfloat16))
     for packed in (True, False):
-        h = encode_header(packed, metas)
-        assert h.shape == (HEADER_LEN,) and h.dtype == torch.int64
-        assert decode_header(h) == (packed, metas)
+        h = encode_header(packed, metas, microbatches=4)
+        assert h.shape == (header_length(4),) == (HEADER_LEN + 1 + 4 * 4,) and h.dtype == torch.int64
+        assert decode_header(h) == (packed, metas, None)   # no shape table: every microbatch one shape
     assert describe(metas) == "float32[4, 16, 8], int64[4, 16], bfloat16[]"
 
 
