@@ -50,6 +50,7 @@ from torch import nn
 
 from benchmarks.common import (RESULTS, ROOT, append_jsonl, finish_and_exit, init_from_env, read_jsonl,
                                torchrun_command, write_readme_block)
+from pipeengine.models.data import ByteCorpus
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.hostalloc import keep_freed_memory
 from pipeengine.runtime.layers import build_layer, build_layers
@@ -64,7 +65,9 @@ CONFIGS = [("gpt", "small", 2, 2, 8, 8, 8), ("resnet", "resnet18", 2, 2, 8, 16, 
 
 
 def _data(mod: Any, mcfg: Any, dp_rank: int, dp: int, m: int, mbs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(batches(mod.make_source(mcfg, None), "train", 0, 0, dp_rank, dp, m, mbs))
+    fixed = hasattr(mcfg, "block_size")   # the GPT on fixed windows of one byte stream: every microbatch one shape
+    source = ByteCorpus(block_size=mcfg.block_size) if fixed else mod.make_source(mcfg, None)
+    return list(batches(source, "train", 0, 0, dp_rank, dp, m, mbs))
 
 
 def _opt(ps: Any) -> torch.optim.Optimizer:

@@ -1,4 +1,14 @@
-"""A decoder-only transformer (GPT) as a layer list, LM head tied to the token embedding."""
+"""A decoder-only transformer (GPT) as a layer list, LM head tied to the token embedding.
+
+[Note: packed rows]
+Under ``--packing pack`` a row holds several documents: the input is ``(tokens, positions,
+segments)`` (positions restart at each document, segment -1 at padding), the embedding passes
+``(x, segments)`` on and each block attends only within a segment (a boolean mask for
+``scaled_dot_product_attention``, causal inside). ``pad`` and ``ragged`` rows hold one document each,
+padding after it, so plain causal attention never sees the padding. The target is ``(labels,
+weight)``: labels -100 at padding, and the weight makes the step's loss the mean over its real tokens
+(pipeengine/training/packing.py).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +16,19 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from pipeengine.training.models import Model, pick_preset
+from pipeengine.training.packing import IGNORE, Packing
 
-from .data import ByteCorpus
+from .documents import Documents
 from .presets import PRESETS
 
-__all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters", "make_source"]
+__all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters"]
 
 
 @dataclass
@@ -53,9 +64,11 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
+    def forward(self, idx: Any) -> Any:
+        if isinstance(idx, (tuple, list)):   # packed rows: [Note: packed rows]
+            tokens, pos, segments = idx
+            return self.drop(self.wte(tokens) + self.wpe(pos)), segments
+        pos = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -73,11 +86,18 @@ class Block(nn.Module):
         self.fc_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, (tuple, list)):   # packed rows: attention within each segment ([Note: packed rows])
+            h, segments = x
+            mask = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).tril_().unsqueeze(1)
+            return self._block(h, mask), segments
+        return self._block(x, None)
+
+    def _block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         x = x + self._drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
         return x + self._drop(self.fc_proj(F.gelu(self.fc(self.ln2(x)))))
@@ -94,8 +114,8 @@ class Head(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+    def forward(self, x: Any) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x[0] if isinstance(x, (tuple, list)) else x))
 
 
 def _init(module: nn.Module, n_layer: int) -> nn.Module:
@@ -127,7 +147,13 @@ def build(cfg: Config, seed: int = 0) -> list[nn.Module]:
     return layers
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """Cross-entropy: the microbatch's mean for a target tensor; for ``(labels, weight)`` the sum over the real
+    tokens (labels -100 at padding) times the weight ([Note: packed rows])."""
+    if isinstance(target, (tuple, list)):
+        labels, weight = target
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                               reduction="sum") * weight
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
@@ -136,16 +162,18 @@ def tied_parameters(num_layers: int) -> list[list[tuple[int, str]]]:
     return [[(0, "wte.weight"), (num_layers - 1, "lm_head.weight")]]
 
 
-def make_source(cfg: Config, data_path: str | None) -> ByteCorpus:
-    if cfg.vocab_size < 256:
-        raise ValueError(f"the byte corpus needs vocab_size >= 256 (got {cfg.vocab_size})")
-    return ByteCorpus(data_path, block_size=cfg.block_size)
-
-
-def model(preset: str | None = None, data: str | None = None, dropout: float = 0.0) -> Model:
+def model(preset: str | None = None, data: str | None = None, dropout: float = 0.0, context: int | None = None,
+          packing: str = "pack") -> Model:
     """The trainer's protocol (``--model gpt``, see pipeengine/training/models.py): preset ``tiny`` by default;
-    ``dropout`` (``--dropout``) on the embedding, the attention and each block's residual branches."""
+    ``dropout`` (``--dropout``) on the embedding, the attention and each block's residual branches; ``context``
+    (``--context``) its context length in tokens; ``packing`` (``--packing``) how documents become rows
+    (pipeengine/training/packing.py). The data: documents, the standard library's top-level definitions by default
+    (models/documents.py); the vocabulary grows to a token file's largest token."""
     cfg = dataclasses.replace(pick_preset("gpt", presets(), preset, "tiny"), dropout=dropout)
+    if context is not None:
+        cfg = dataclasses.replace(cfg, block_size=context)
+    source = Documents(data, context=cfg.block_size)
+    cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, source.vocab_size))
     layers = layer_factories(cfg)
-    return Model(layers, loss_fn, make_source(cfg, data), tied_parameters(len(layers)),
-                 tokens_per_example=cfg.block_size, preset=preset or "tiny")
+    return Model(layers, loss_fn, source, tied_parameters(len(layers)), preset=preset or "tiny",
+                 packing=Packing(packing, cfg.block_size, linear_cost=12.0 * cfg.n_embd))

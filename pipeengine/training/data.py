@@ -21,7 +21,8 @@ from ..runtime.tensors import crc32
 from .batch import Batch
 
 __all__ = ["Source", "data_digest", "stream_indices", "global_batch_indices", "replica_share", "batches",
-           "replica_batches", "split_microbatches", "SourceDataset", "StepSampler", "step_loader", "example_crc"]
+           "step_indices", "replica_examples", "replica_batches", "split_microbatches", "SourceDataset", "StepSampler",
+           "step_loader", "example_crc"]
 
 
 class Source(Protocol):
@@ -71,13 +72,23 @@ def _split_seed(seed: int, split: str) -> int:
     return seed + (0 if split == "train" else 7919)
 
 
+def step_indices(source: Source, split: str, start: int, seed: int, size: int) -> torch.Tensor:
+    """Indices of the ``size`` examples of ``split`` from data position ``start`` (the global batch there)."""
+    return stream_indices(source.num_examples(split), start, size, _split_seed(seed, split))
+
+
+def replica_examples(source: Source, split: str, start: int, seed: int, batch: Batch, dp: int,
+                     replica: int) -> list[tuple[Any, Any]]:
+    """Replica ``replica``'s examples of the global batch at data position ``start`` (read here, in this process)."""
+    mine = replica_share(step_indices(source, split, start, seed, batch.size), batch, dp, replica)
+    return [source.example(split, int(i)) for i in mine]
+
+
 def replica_batches(source: Source, split: str, start: int, seed: int, batch: Batch, dp: int,
                     replica: int) -> list[tuple[Any, Any]]:
     """Replica ``replica``'s (inputs, targets) microbatches of the global batch at data position ``start``
     (read here, in this process)."""
-    idx = stream_indices(source.num_examples(split), start, batch.size, _split_seed(seed, split))
-    mine = replica_share(idx, batch, dp, replica)
-    return split_microbatches(default_collate([source.example(split, int(i)) for i in mine]),
+    return split_microbatches(default_collate(replica_examples(source, split, start, seed, batch, dp, replica)),
                               batch.counts(dp)[replica])
 
 
@@ -138,14 +149,16 @@ class StepSampler(Sampler[list[int]]):
 
 
 def step_loader(source: Source, seed: int, batch: Batch, dp: int, replica: int, first: int, steps: int,
-                position: int, workers: int, pin_memory: bool) -> DataLoader[Any]:
+                position: int, workers: int, pin_memory: bool, collate: Any = default_collate) -> DataLoader[Any]:
     """Each training step's batch for this replica (inputs, targets), from step ``first`` at data position
     ``position``, read ahead by ``workers`` processes (``prefetch_factor`` 2), in pinned memory for a CUDA device:
-    cut it with :func:`split_microbatches` into the replica's microbatches."""
+    cut it with :func:`split_microbatches` into the replica's microbatches (``collate``: ``list`` keeps the
+    examples apart, for a packing to build)."""
     sampler = StepSampler(source.num_examples("train"), _split_seed(seed, "train"), batch, dp, replica, first, steps,
                           position)
     return DataLoader(SourceDataset(source, "train"), batch_sampler=sampler, num_workers=workers,
-                      pin_memory=pin_memory, prefetch_factor=2 if workers else None, persistent_workers=bool(workers))
+                      collate_fn=collate, pin_memory=pin_memory, prefetch_factor=2 if workers else None,
+                      persistent_workers=bool(workers))
 
 
 def data_digest(source: Source) -> str:

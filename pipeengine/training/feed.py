@@ -14,6 +14,11 @@ A model's data (``Model.data``, and ``Model.val_data`` for validation) may be:
   and ``"val"`` (the built-in models).
 
 Without validation data the run skips validation (its loss is reported as n/a).
+
+With a :class:`~pipeengine.training.packing.Packing` (``Model.packing``) the examples are token
+sequences of their own lengths and the data says them (``lengths(split)``): a replica's sequences of
+the step become its microbatches by the packing, every target carrying the step's weight
+(microbatches / real tokens of the global batch, from the lengths: no message between the replicas).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import torch
 from torch.utils.data import IterableDataset, default_collate
 
 from .batch import Batch
-from .data import data_digest, example_crc, replica_batches, replica_share, split_microbatches, step_loader
+from .data import (data_digest, example_crc, replica_batches, replica_examples, replica_share, split_microbatches,
+                   step_indices, step_loader)
 
 __all__ = ["DatasetSource", "Feed", "check_data"]
 
@@ -51,6 +57,10 @@ class DatasetSource:
 
     def example(self, split: str, index: int) -> tuple[Any, Any]:
         return _pair(self.splits[split][index], f"Model.{'data' if split == 'train' else 'val_data'}[{index}]")
+
+    def lengths(self, split: str) -> torch.Tensor:
+        """Each example's tokens, from the dataset's own ``lengths()`` (a packing needs them)."""
+        return torch.as_tensor(self.splits[split].lengths())
 
 
 def _streamed(data: Any) -> bool:
@@ -98,10 +108,14 @@ class Feed:
     ``position(step)`` the examples consumed before ``step``."""
 
     def __init__(self, data: Any, val: Any, seed: int, batch: Batch, dp: int, replica: int, steps: int,
-                 workers: int, cuda: bool) -> None:
+                 workers: int, cuda: bool, packing: Any = None) -> None:
         self.stream = _streamed(data)
+        if packing is not None and (self.stream or not callable(getattr(data, "lengths", None))):
+            raise ValueError("Model.packing needs examples by index with lengths(split), or a Dataset with "
+                             "lengths() (each example's tokens); a stream cannot be packed ahead")
         if not self.stream and not hasattr(data, "num_examples"):
             data = DatasetSource(data, val)
+        self.packing = packing
         self.data, self.val_data, self.seed, self.batch = data, val, seed, batch
         self.dp, self.replica, self.steps, self.workers, self.cuda = dp, replica, steps, workers, cuda
         self.start = (0, 0)   # (step, examples consumed before it): set by resume
@@ -125,8 +139,29 @@ class Feed:
         collated = default_collate([_pair(examples[i], "an example of Model.data") for i in mine])
         return split_microbatches(collated, self.batch.counts(self.dp)[self.replica])
 
+    def _built(self, examples: list[Any], split: str, start: int) -> list[tuple[Any, Any]]:
+        """The replica's microbatches of its ``examples`` by the packing (the global batch at ``start``)."""
+        counts = self.batch.counts(self.dp)
+        real = int(self.data.lengths(split)[step_indices(self.data, split, start, self.seed, self.batch.size)].sum())
+        built: list[tuple[Any, Any]] = self.packing.build(examples, counts[self.replica], sum(counts) / max(real, 1))
+        return built
+
+    def tokens(self, step: int) -> tuple[int, int]:
+        """The real tokens of step ``step``'s global batch and the positions computed for them (padding included),
+        over every replica (with a packing; else (0, 0))."""
+        if self.packing is None:
+            return 0, 0
+        idx = step_indices(self.data, "train", self.position(step), self.seed, self.batch.size)
+        lengths, counts = self.data.lengths("train"), self.batch.counts(self.dp)
+        shares = [lengths[replica_share(idx, self.batch, self.dp, r)].tolist() for r in range(self.dp)]
+        return (sum(sum(s) for s in shares),
+                sum(self.packing.positions(s, counts[r]) for r, s in enumerate(shares)))
+
     def sample(self) -> tuple[Any, Any]:
         """The run's first microbatch (what the profile partition times)."""
+        if self.packing is not None:
+            return self._built(replica_examples(self.data, "train", 0, self.seed, self.batch, self.dp, 0), "train",
+                               0)[0]
         if self.stream:
             return split_microbatches(default_collate([_pair(e, "an example of Model.data") for e in
                                                        _Stream(self.data, 0, "Model.data").take(self.batch.micro)]),
@@ -156,10 +191,14 @@ class Feed:
                 self._loader = (stream.take(self.batch.size) for _ in itertools.count())
             else:
                 self._loader = iter(step_loader(self.data, self.seed, self.batch, self.dp, self.replica, step,
-                                                self.steps, self.position(step), self.workers, pin_memory=self.cuda))
+                                                self.steps, self.position(step), self.workers, pin_memory=self.cuda,
+                                                collate=default_collate if self.packing is None else list))
         got = next(self._loader)
         self._next_step = step + 1
-        mbs = self._mine(got) if self.stream else split_microbatches(got, self.batch.counts(self.dp)[self.replica])
+        if self.packing is not None:
+            mbs = self._built(got, "train", self.position(step))
+        else:
+            mbs = self._mine(got) if self.stream else split_microbatches(got, self.batch.counts(self.dp)[self.replica])
         return iter(mbs), time.perf_counter() - t
 
     def val(self, step: int) -> Iterator[Any] | None:
@@ -169,6 +208,9 @@ class Feed:
         if self.stream and _streamed(self.val_data):
             return iter(self._mine(_Stream(self.val_data, 0, "Model.val_data").take(self.batch.size)))
         source = self.data if not self.stream else DatasetSource(None, self.val_data)
+        if self.packing is not None:
+            return iter(self._built(replica_examples(source, "val", step * self.batch.size, self.seed, self.batch,
+                                                     self.dp, self.replica), "val", step * self.batch.size))
         return iter(replica_batches(source, "val", step * self.batch.size, self.seed, self.batch, self.dp,
                                     self.replica))
 

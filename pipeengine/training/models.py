@@ -2,7 +2,8 @@
 
 The protocol: ``function(preset, data)`` returns a :class:`Model`. ``preset`` is ``--preset`` (None
 when not given: pick your default) and ``data`` is ``--data`` (None: your default data); a function
-that also takes ``dropout`` gets ``--dropout`` when it is given. Raise ``ValueError`` for a preset or
+that also takes ``dropout`` gets ``--dropout`` when it is given (``context`` and ``packing`` alike). Raise
+``ValueError`` for a preset or
 data you cannot use; the message is shown as it is. For example::
 
     def my_model(preset: str | None, data: str | None) -> pipeengine.Model:
@@ -52,6 +53,9 @@ class Model:
     - ``tied``: groups of ``(layer, parameter name)`` that are one weight (e.g. the embedding and the
       LM head); each group's first entry gives the initial value.
     - ``tokens_per_example``: for tokens/s (sequence models); ``preset``: the size chosen, for logs.
+    - ``packing``: a :class:`~pipeengine.training.packing.Packing` for sequences of different lengths (the
+      examples are 1-D ``(input, target)`` token sequences and the data has ``lengths(split)``): each step's
+      sequences become microbatches by it, and tokens/s counts real tokens.
     """
 
     layers: Sequence[Callable[[], nn.Module]]
@@ -61,6 +65,7 @@ class Model:
     tokens_per_example: int | None = None
     preset: str | None = None
     val_data: Any = None
+    packing: Any = None
 
 
 def pick_preset(model: str, table: Mapping[str, Callable[[], Any]], preset: str | None, default: str) -> Any:
@@ -111,14 +116,16 @@ def _where(exc: BaseException) -> str:
     return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
 
 
-def load_model(spec: str, preset: str | None, data: str | None, dropout: float | None = None) -> Model:
+def load_model(spec: str, preset: str | None, data: str | None, dropout: float | None = None,
+               context: int | None = None, packing: str | None = None) -> Model:
     """The :class:`Model` that ``--model spec`` names, checked; a ValueError says what is wrong with it.
-    ``dropout`` (``--dropout``, None: not given) goes to the function as ``dropout=``."""
+    ``dropout``, ``context``, ``packing`` (``--dropout`` ..., None: not given) go to the function by name."""
     fn = _function(spec)
-    options = {} if dropout is None else {"dropout": dropout}
-    if options and not _takes(fn, "dropout"):
-        raise ValueError(f"--dropout: --model {spec!r} takes no dropout (its function has no dropout parameter); "
-                         f"give it one, function(preset, data, dropout=0.0), or leave --dropout out")
+    options = {k: v for k, v in (("dropout", dropout), ("context", context), ("packing", packing)) if v is not None}
+    for name in options:
+        if not _takes(fn, name):
+            raise ValueError(f"--{name}: --model {spec!r} takes no {name} (its function has no {name} parameter); "
+                             f"give it one, function(preset, data, {name}=...), or leave --{name} out")
     try:
         model = fn(preset, data, **options)
     except ValueError:

@@ -25,6 +25,8 @@ def progress_line(step: int, total: int, loss: float, val: float, rates: Mapping
     eta = int((total - step) / steps_s) if steps_s > 0 else 0
     val_s = f"  val {val:.4f}" if math.isfinite(val) else ""
     tokens = f"  {rates['tokens_per_s']:,.0f} tokens/s" if rates.get("tokens_per_s") else ""
+    if rates.get("padding_fraction") is not None:
+        tokens += f" (padding {100 * (rates['padding_fraction'] or 0):.0f}%)"
     return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}{val_s}  {steps_s:.2f} "
             f"steps/s  {rates['samples_per_s'] or 0:,.1f} samples/s{tokens}  {memory}  "
             f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
@@ -73,6 +75,8 @@ def summary_text(s: dict[str, Any]) -> str:
     """The block printed at the end of a run (``s``: the Trainer's summary)."""
     cfg = s["config"]
     tok = f"  {s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else ""
+    if s.get("padding_fraction") is not None:
+        tok += f" (real tokens; padding {100 * s['padding_fraction']:.1f}% of the positions)"
     bub, parts = "n/a", "n/a"
     if s["measured_bubble"] is not None:
         bub = (f"measured {s['measured_bubble']:.3f}  simulated {s['theoretical_bubble']:.3f}  closed form "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from .tensorboard import MetricsWriter
 from .timeline import chrome_trace
 
 __all__ = ["TimedStep", "StepTimes", "Reporter", "STEP_PARTS"]
+T = TypeVar("T")
 
 STEP_PARTS = ("data", *PARTS, "other")   # a step's wall time, split (sums to 1 in the summary)
 
@@ -48,13 +49,15 @@ class StepTimes:
     walls: list[float] = field(default_factory=list)
     data: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
+    tokens: list[tuple[int, int]] = field(default_factory=list)   # (real tokens, positions computed) per step
 
-    def add(self, wall: float, data: float, step: float) -> None:
+    def add(self, wall: float, data: float, step: float, tokens: tuple[int, int] = (0, 0)) -> None:
         self.walls.append(wall)
         self.data.append(data)
         self.steps.append(step)
+        self.tokens.append(tokens)
 
-    def steady(self, xs: list[float]) -> list[float]:
+    def steady(self, xs: list[T]) -> list[T]:
         """The values after the warm-up (all of them while the run is still warming up)."""
         return xs[self.warm:] if len(xs) > self.warm else xs
 
@@ -105,13 +108,19 @@ class Reporter:
     # ------------------------------------------------------------------ figures
 
     def rates(self) -> dict[str, float | None]:
-        """steps/s, samples/s, tokens/s and model TFLOP/s per rank, all from the same wall time."""
+        """steps/s, samples/s, tokens/s and model TFLOP/s per rank, all from the same wall time; with sequences of
+        their own lengths tokens/s counts real tokens only, and ``padding_fraction`` is the positions computed for
+        padding (the same steps)."""
         steps = self.times.steps_per_s
         samples = steps * self.global_batch
         world = self.topo.pp * self.topo.dp
         tflops = samples * self.flops / 1e12 / world if self.flops else None
-        return {"steps_per_s": steps, "samples_per_s": samples,
-                "tokens_per_s": samples * self.tokens if self.tokens else None,
+        tokens = samples * self.tokens if self.tokens else None
+        real, positions = (sum(x) for x in zip(*self.times.steady(self.times.tokens))) if self.times.tokens else (0, 0)
+        if positions:
+            tokens = real / sum(self.times.steady(self.times.walls))
+        return {"steps_per_s": steps, "samples_per_s": samples, "tokens_per_s": tokens,
+                "padding_fraction": 1 - real / positions if positions else None,
                 "tflops_per_rank": tflops, "mfu": tflops / self.peak if tflops and self.peak else None}
 
     def peak_memory(self) -> dict[str, float]:
@@ -147,9 +156,10 @@ class Reporter:
         if trace:
             chrome_trace(records, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
 
-    def step_done(self, step: int, wall: float, data: float, pipeline: float) -> None:
-        """The step's wall time is known: log it with the rates it gives (the progress line's figures)."""
-        self.times.add(wall, data, pipeline)
+    def step_done(self, step: int, wall: float, data: float, pipeline: float, tokens: tuple[int, int]) -> None:
+        """The step's wall time is known: log it with the rates it gives (the progress line's figures); ``tokens``:
+        its real tokens and positions computed ((0, 0): not counted)."""
+        self.times.add(wall, data, pipeline, tokens)
         rates = self.rates()
         scalars = {"time/wall_s": wall, "time/data_s": data,
                    **{f"throughput/{k}": v for k, v in rates.items() if k != "mfu" and v is not None}}

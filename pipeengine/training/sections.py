@@ -51,6 +51,14 @@ class ModelConfig:
     dropout: float | None = setting(None, "dropout probability, for a model whose function takes dropout= (the "
                                           "built-ins do; None: the model's own, 0 for the built-ins)",
                                     check=checks.probability, metavar="P")
+    context: int | None = setting(None, "context length in tokens, for a model whose function takes context= (gpt: "
+                                        "None is the preset's)", check=at_least(1, "a positive number of tokens"),
+                                  metavar="N")
+    packing: str | None = setting(None, "how documents of different lengths become microbatches, for a model whose "
+                                        "function takes packing= (gpt: None is pack): pad one per row to the "
+                                        "context; pack several per row, attention within each; ragged one per row, "
+                                        "each microbatch its own shape (docs: pipeengine/training/packing.py)",
+                                  choices=("pad", "pack", "ragged"))
 
 
 @dataclass

@@ -94,7 +94,8 @@ class Trainer:
             if problem:
                 raise ValueError(problem)
             torch.manual_seed(cfg.model.seed)   # a model whose data is drawn at random draws it alike on every rank
-            model = load_model(cfg.model.name, cfg.model.preset, cfg.data.path, cfg.model.dropout)
+            m = cfg.model
+            model = load_model(m.name, m.preset, cfg.data.path, m.dropout, m.context, m.packing)
             if model.data is None:
                 raise ValueError(f"--model {cfg.model.name!r} gives no data (Model.data is None): the trainer needs "
                                  f"a Dataset or examples by index; see README: your own model")
@@ -115,8 +116,7 @@ class Trainer:
         # one rank's bad input (a local path) is every rank's error; an elastic re-plan is every rank's (the least
         # memory a rank has); then every setting and the data compared. Until the end, a rank stopped or dead is
         # reported after --timeout by the watch's start-up look (faults.py), wherever the others wait for it.
-        w = watch()
-        w.doing = "set-up: loading the model"
+        (w := watch()).doing = "set-up: loading the model"
         self.model = on_every_rank(load)
         capacity = min(gathered(rank_memory(self.device), None))
         self.topo = on_every_rank(check)
@@ -125,7 +125,7 @@ class Trainer:
             link_rank_logs(self.run_dir)
         self.feed = Feed(self.model.data, self.model.val_data, cfg.model.seed, cfg.batch, self.topo.dp,
                          self.topo.replica_of(self.rank), cfg.optimizer.steps, self._workers(),
-                         self.device.type == "cuda")
+                         self.device.type == "cuda", self.model.packing)
         same_settings({**cfg.given(), "data (--data)": self.feed.digest()})   # what each rank was given, first
         same_settings(cfg.computation())
         if cfg.saving.interval or cfg.saving.on_exit or cfg.saving.resume:
@@ -182,7 +182,7 @@ class Trainer:
         if self.world_change is not None:   # a group restarted at another size
             self.writer.log_world_change(self.world_change)
         flops = None
-        if self.rank == 0:   # counted on the meta device: no memory, no compute
+        if self.rank == 0 and self.model.packing is None:   # on the meta device (packed: its rows vary, not counted)
             flops = flops_per_example(self.model.layers, self.feed.first_input())
         self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.batch.size,
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
@@ -336,7 +336,7 @@ class Trainer:
             else:   # a background save is published as soon as every rank wrote it
                 self.saves.publish(self.is_tty, wait=False)
             t_start, t_end = t_end, time.perf_counter()
-            self.reporter.step_done(step, t_end - t_start, self.last_data_s, self.last_step_s)
+            self.reporter.step_done(step, t_end - t_start, self.last_data_s, self.last_step_s, self.feed.tokens(step))
             last = step + 1 == steps and stopped is None   # its line comes after the final evaluation, with its loss
             if (self.is_tty or (step + 1) % cfg.logging.log_interval == 0) and not last:
                 self._progress(step + 1)

@@ -103,8 +103,8 @@ def test_help_lists_every_default_and_every_preset_without_importing_torch() -> 
         assert f"(default: {default})" in after[:400], flag
     assert ("--global-batch INT examples per optimizer step over all replicas, whatever pp x dp; dp need not divide "
             "it (None: 32, or dp x 2pp if more") in text
-    assert ("gpt: tiny, small, gpt2-124m; resnet: tiny, resnet18, resnet18-gn, resnet50, resnet50-imagenet; mlp: "
-            "tiny, small, large") in text
+    assert ("gpt: tiny, tiny-1k, small, gpt2-124m; resnet: tiny, resnet18, resnet18-gn, resnet50, resnet50-imagenet; "
+            "mlp: tiny, small, large") in text
 
 
 def test_the_engine_and_the_command_line_check_with_the_same_functions() -> None:

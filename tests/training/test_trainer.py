@@ -75,8 +75,14 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["--partition", "half"], "error: --partition must be profile, parameters, uniform or stage bounds like 0,3,6,10"),
     (["--model", "mlp", "--eval-interval", "-1"], "error: --eval-interval must be >= 0 (got -1)"),
     (["--data", "{tmp}/empty.txt"], "error: --data '{tmp}/empty.txt' is empty; give a text file"),
-    (["--data", "{tmp}/blob.bin"], "error: --data: '{tmp}/blob.bin' is binary (it holds NUL bytes), not text"),
-    (["--data", "{tmp}/short.txt"], "error: the train text has 9 bytes, fewer than block_size+1"),
+    (["--data", "{tmp}/blob.dat"], "error: --data: '{tmp}/blob.dat' is binary (it holds NUL bytes), not text"),
+    (["--data", "{tmp}/blob.bin"], "error: --data '{tmp}/blob.bin' has no document index '{tmp}/blob.idx' beside it; "
+                                   "write one there (little-endian int64 offsets"),
+    (["--data", "{tmp}/short.txt"], "error: the val split has no examples"),
+    (["--packing", "stuffed"], "error: --packing 'stuffed' is not one of pad, pack, ragged"),
+    (["--model", "mlp", "--packing", "pad"], "error: --packing: --model 'mlp' takes no packing (its function has no "
+                                             "packing parameter)"),
+    (["--context", "0"], "error: --context must be a positive number of tokens (got 0)"),
     (["--data", "{tmp}/nofiles"], "error: --data '{tmp}/nofiles' is empty (a folder without files)"),
     (["--log-dir", "{tmp}/short.txt/logs"], "error: --log-dir '{tmp}/short.txt/logs' cannot be created: Not a "
                                             "directory; choose a writable folder"),
@@ -113,6 +119,7 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
 def test_bad_inputs_give_one_line_and_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _file(tmp_path, "empty.txt", b"")
     _file(tmp_path, "blob.bin", b"text\x00\x01\x02" * 100)
+    _file(tmp_path, "blob.dat", b"text\x00\x01\x02" * 100)
     _file(tmp_path, "short.txt", b"0123456789")
     (tmp_path / "nofiles").mkdir()
     os.mkfifo(tmp_path / "fifo")   # nothing ever writes to it: reading it would wait for good
@@ -134,7 +141,7 @@ def test_bad_inputs_give_one_line_and_status_2(tmp_path: Path, capsys: pytest.Ca
 @pytest.mark.parametrize("flags,match", [
     (["--model", "mlp", "--schedule", "interleaved-1f1b", "--chunks", "16", "--microbatches", "4"],
      "mlp (tiny) has 10 layers but pp=1 x chunks=16 needs 16 stages"),
-    (["--model", "gpt", "--preset", "huge"], "--preset 'huge' is not a gpt preset; choose tiny, small"),
+    (["--model", "gpt", "--preset", "huge"], "--preset 'huge' is not a gpt preset; choose tiny, tiny-1k, small"),
     (["--model", "gpt", "--data", "/nonexistent/corpus.txt"], "--data '/nonexistent/corpus.txt' does not exist"),
     (["--model", "mlp", "--precision", "fp16"], "precision fp16 (with a loss scale) needs CUDA; use bf16 on CPU"),
     (["--model", "mlp", "--resume", "/nonexistent/ck"], "checkpoint '/nonexistent/ck' does not exist"),

@@ -1,0 +1,200 @@
+"""Packing: a step's variable-length sequences as padded, packed or ragged microbatches, every token where it was,
+every padded position ignored, and the layouts as the modes promise (first-fit decreasing, the least costly
+ragged cut)."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from pipeengine.training.packing import IGNORE, MODES, Packing
+
+# (sequences, microbatches, context): n == count, count == 1, contexts of one position and many
+CASES = [(1, 1, 1), (1, 1, 8), (5, 5, 16), (7, 1, 16), (13, 4, 32), (40, 8, 64), (64, 3, 128), (100, 7, 50),
+         (257, 16, 512)]
+KINDS = ("random", "full", "ones", "long tail")
+
+
+def lengths_of(rng: random.Random, kind: str, n: int, context: int) -> list[int]:
+    if kind == "full":
+        return [context] * n
+    if kind == "ones":
+        return [1] * n
+    if kind == "long tail":
+        return [min(context, max(1, round(rng.lognormvariate(math.log(max(1, context / 8)), 1.0)))) for _ in range(n)]
+    return [rng.randint(1, context) for _ in range(n)]
+
+
+def examples_of(lengths: list[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 50, (n,), generator=g), torch.randint(0, 50, (n,), generator=g)) for n in lengths]
+
+
+def numel(x: Any) -> int:
+    return x[0].numel() if isinstance(x, tuple) else int(x.numel())
+
+
+def padding(p: Packing, lengths: list[int], count: int) -> float:
+    return 1 - sum(lengths) / p.positions(lengths, count)
+
+
+def check_row(p: Packing, row: list[int], tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+              segments: torch.Tensor, examples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One row's sequences rebuilt from its tensors alone (what is not IGNORE, cut by segment) are the examples
+    the layout puts there, in order, packed from the row's start; the rest is padding."""
+    real = labels != IGNORE
+    assert torch.equal(real, segments >= 0)
+    assert torch.equal(tokens[~real], torch.full_like(tokens[~real], p.pad_id))
+    assert not positions[~real].any()
+    start = 0
+    for slot, i in enumerate(row):
+        where = (segments == slot).nonzero().flatten()
+        x, y = examples[i]
+        assert torch.equal(where, torch.arange(start, start + len(x)))   # contiguous, after the previous one
+        assert torch.equal(positions[where], torch.arange(len(x)))      # positions restart at each sequence
+        assert torch.equal(tokens[where], x) and torch.equal(labels[where], y)
+        start += len(x)
+    assert int(real.sum()) == start
+
+
+def check_build(p: Packing, lengths: list[int], count: int, seed: int) -> None:
+    layout = p.layout(lengths, count)
+    assert len(layout) == count and all(rows for rows in layout)
+    assert sorted(i for rows in layout for row in rows for i in row) == list(range(len(lengths)))
+    examples = examples_of(lengths, seed)
+    built = p.build(examples, count, weight=0.375)
+    assert len(built) == count
+    assert [tuple(x[0].shape if p.mode == "pack" else x.shape) for x, _ in built] == p.shapes(lengths, count)
+    assert sum(numel(x) for x, _ in built) == p.positions(lengths, count)
+    for rows, (x, (labels, w)) in zip(layout, built):
+        assert w.dim() == 0 and w.dtype == torch.float32 and w.item() == 0.375
+        assert labels.dtype == torch.int64 and labels.shape == (x[0] if p.mode == "pack" else x).shape
+        if p.mode == "pack":
+            tokens, positions, segments = x
+            assert all(t.dtype == torch.int64 for t in x)
+            assert all(sum(lengths[i] for i in row) <= p.context for row in rows)
+        else:
+            assert all(len(row) == 1 for row in rows) and x.dtype == torch.int64
+            tokens, positions, segments = x, torch.zeros_like(x), torch.where(labels != IGNORE, 0, -1)
+            positions[labels != IGNORE] = torch.cat([torch.arange(lengths[row[0]]) for row in rows])
+        for r, row in enumerate(rows):
+            check_row(p, row, tokens[r], labels[r], positions[r], segments[r], examples)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_token_is_where_it_was_and_every_pad_is_ignored(mode: str) -> None:
+    rng = random.Random(f"packing {mode}")
+    for n, count, context in CASES:
+        for kind in KINDS:
+            lengths = lengths_of(rng, kind, n, context)
+            p = Packing(mode, context, pad_id=rng.choice([0, 3]), linear_cost=rng.choice([0.0, 2.5, 64.0]))
+            check_build(p, lengths, count, seed=rng.randrange(1 << 30))
+
+
+def test_pad_keeps_the_order_in_chunks_of_one_size_the_larger_first() -> None:
+    p = Packing("pad", 8)
+    assert p.layout([3, 5, 2, 5, 4], 2) == [[[0], [1], [2]], [[3], [4]]]
+    assert p.shapes([1] * 12, 4) == [(3, 8)] * 4
+    assert [len(rows) for rows in p.layout([1] * 10, 4)] == [3, 3, 2, 2]
+
+
+def test_pack_is_first_fit_decreasing_split_until_every_microbatch_has_a_row() -> None:
+    p = Packing("pack", 8)
+    lengths = [3, 5, 2, 5, 4]   # longest first: 1, 3, 4, 0, 2; 0 fits beside 1, 2 beside 3
+    assert p.layout(lengths, 1) == [[[1, 0], [3, 2], [4]]]
+    assert p.layout(lengths, 2) == [[[1, 0], [3, 2]], [[4]]]
+    assert p.layout(lengths, 4) == [[[1]], [[0]], [[3, 2]], [[4]]]   # the first of the fullest rows split
+    assert p.layout([1] * 7, 3) == [[[0, 1]], [[2, 3]], [[4, 5, 6]]]   # 7 -> 4 + 3 -> 2 + 2 + 3
+    assert p.layout([4, 4, 4, 4], 4) == [[[0]], [[1]], [[2]], [[3]]]
+
+
+def test_pack_wastes_far_less_than_pad_on_short_sequences() -> None:
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 64) for _ in range(256)]
+    pad, pack = Packing("pad", 1024), Packing("pack", 1024)
+    pad_rows = sum(rows for rows, _ in pad.shapes(lengths, 4))
+    pack_rows = sum(rows for rows, _ in pack.shapes(lengths, 4))
+    assert pad_rows == 256 and pack_rows <= math.ceil(sum(lengths) / 1024) + 1
+    assert padding(pack, lengths, 4) < 0.1 < 0.9 < padding(pad, lengths, 4)
+
+
+def best_cost(lengths: list[int], count: int, linear_cost: float) -> float:
+    """The least largest cost over every cut of the sorted lengths into ``count`` contiguous groups (a DP)."""
+    ls = sorted(lengths, reverse=True)
+    n = len(ls)
+
+    def cost(i: int, j: int) -> float:
+        return (j - i) * ls[i] * (ls[i] + linear_cost)
+
+    best = [[math.inf] * (n + 1) for _ in range(count + 1)]   # best[k][j]: the first j in k groups
+    best[0][0] = 0.0
+    for k in range(1, count + 1):
+        for j in range(k, n + 1):
+            best[k][j] = min(max(best[k - 1][i], cost(i, j)) for i in range(k - 1, j))
+    return best[count][n]
+
+
+def test_ragged_finds_the_least_costly_cut() -> None:
+    p = Packing("ragged", 8)
+    assert p.layout([2, 8, 3, 8, 1], 2) == [[[1], [3]], [[2], [0], [4]]]   # max(2 x 64, 3 x 9) = 128
+    assert p.shapes([2, 8, 3, 8, 1], 2) == [(2, 8), (3, 3)]
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        count, context = rng.randint(1, n), rng.choice([4, 16, 100])
+        lengths = [rng.randint(1, context) for _ in range(n)]
+        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]))
+        shapes = p.shapes(lengths, count)
+        assert [w for _, w in shapes] == sorted((w for _, w in shapes), reverse=True)   # longest first
+        worst = max(rows * w * (w + p.linear_cost) for rows, w in shapes)
+        assert worst == pytest.approx(best_cost(lengths, count, p.linear_cost), rel=1e-9, abs=0)
+
+
+def test_ragged_wastes_far_less_than_pad_on_a_long_tail() -> None:
+    rng = random.Random(5)
+    lengths = [min(1024, max(1, round(rng.lognormvariate(math.log(120), 1.0)))) for _ in range(256)]
+    pad, ragged = padding(Packing("pad", 1024), lengths, 8), padding(Packing("ragged", 1024), lengths, 8)
+    print(f"padding on a long tail (median {sorted(lengths)[128]}, 256 sequences, 8 microbatches, context 1024): "
+          f"pad {pad:.3f}, ragged {ragged:.3f}")
+    assert ragged < pad / 2 and pad > 0.7
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layout_of_4096_sequences_in_64_microbatches_is_quick(mode: str) -> None:
+    rng = random.Random(3)
+    for lengths in ([rng.randint(1, 1024) for _ in range(4096)], [1024] * 4096, [1] * 4096):
+        p = Packing(mode, 1024, linear_cost=12.5)
+        took = min(_timed(p, lengths) for _ in range(3))
+        assert took < 0.25, f"{mode}: {took:.3f} s"   # ~10 ms; an O(n^2) first fit takes seconds
+
+
+def _timed(p: Packing, lengths: list[int]) -> float:
+    start = time.perf_counter()
+    p.layout(lengths, 64)
+    return time.perf_counter() - start
+
+
+def test_errors_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="choose one of pad, pack, ragged"):
+        Packing("packed", 8)
+    with pytest.raises(ValueError, match="context is 0"):
+        Packing("pad", 0)
+    with pytest.raises(ValueError, match="linear_cost"):
+        Packing("ragged", 8, linear_cost=-1.0)
+    for mode in MODES:
+        p = Packing(mode, 8)
+        with pytest.raises(ValueError, match="at least one sequence per microbatch.*3 sequences for 0"):
+            p.layout([1, 2, 3], 0)
+        with pytest.raises(ValueError, match="at least one sequence per microbatch.*3 sequences for 4"):
+            p.build(examples_of([1, 2, 3], 0), 4, 1.0)
+        with pytest.raises(ValueError, match="sequence 1 is 9 tokens long, longer than the context of 8"):
+            p.layout([8, 9, 3], 2)
+        with pytest.raises(ValueError, match="sequence 2 is 0 tokens long"):
+            p.layout([8, 1, 0], 2)
+        with pytest.raises(ValueError, match=r"example 0: input \(3,\) and target \(2,\)"):
+            p.build([(torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))], 1, 1.0)
