@@ -1,5 +1,6 @@
 """Bitwise the same whatever the split: at a fixed dp, losses and parameters do not depend on pp, the schedule
-or the partition (fp32, bf16, and with dropout: each layer's masks are keyed to the model, rng.py). A GPT with its
+or the partition (fp32, bf16, and with dropout: each layer's masks are keyed to the model, rng.py), with
+microbatches of one shape or, documents of random lengths packed or ragged, of their own shapes. A GPT with its
 LM head tied to the embedding, the gradient norm clipped."""
 
 from __future__ import annotations
@@ -21,12 +22,21 @@ SPLITS = [(1, "1f1b", 1, "uniform"),
           (4, "zbv", 2, "uniform"), (4, "dualpipev", 2, "uniform")]   # V: embedding and tied head on position 0
 
 
+def documents(mode: str, context: int, g: torch.Generator) -> list[Any]:
+    """A step's microbatches of 3 x M sequences of random lengths, laid out by a Packing."""
+    from pipeengine.training.packing import Packing
+    lengths = torch.randint(1, context + 1, (3 * M,), generator=g)
+    seqs = [torch.randint(0, 256, (int(n) + 1,), generator=g) for n in lengths]
+    return Packing(mode, context, linear_cost=12.0 * 32).build([(s[:-1], s[1:]) for s in seqs], M,
+                                                               M / sum(len(s) - 1 for s in seqs))
+
+
 def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, precision: str) -> dict[str, Any]:
     from pipeengine.models import gpt
     from pipeengine.runtime.engine import PipelineEngine
     from pipeengine.runtime.topology import Topology
-    precision, _, dropout = precision.partition("-")
-    cfg = gpt.Config(block_size=16, n_layer=6, n_head=2, n_embd=32, dropout=0.2 if dropout else 0.0)
+    precision, _, variant = precision.partition("-")
+    cfg = gpt.Config(block_size=16, n_layer=6, n_head=2, n_embd=32, dropout=0.2 if variant == "dropout" else 0.0)
     layers = gpt.layer_factories(cfg)
     engine = PipelineEngine(layers, gpt.loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                             topology=Topology(world, 1), schedule=schedule, microbatches=M, chunks=chunks,
@@ -37,13 +47,17 @@ def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, pre
         g = torch.Generator().manual_seed(step)
         seq = torch.randint(0, 256, (M * ROWS, cfg.block_size + 1), generator=g)
         data = [(seq[k * ROWS:(k + 1) * ROWS, :-1], seq[k * ROWS:(k + 1) * ROWS, 1:]) for k in range(M)]
+        if variant in ("ragged", "pack"):   # documents of random lengths: shapes of their own per microbatch
+            data = documents(variant, cfg.block_size, g)
         losses.append(engine.train_batch(iter(data)).loss)
     params = {k: v.clone() for k, v in engine.state_dict().items() if k.startswith("layers.")}
     return {"losses": losses, "params": params}
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
-                                       pytest.param("fp32-dropout", marks=pytest.mark.slow)])
+                                       pytest.param("fp32-dropout", marks=pytest.mark.slow),
+                                       pytest.param("fp32-ragged", marks=pytest.mark.slow),
+                                       pytest.param("fp32-pack", marks=pytest.mark.slow)])
 def test_losses_and_parameters_are_bitwise_the_same_at_every_split(
         precision: str, request: pytest.FixtureRequest) -> None:
     runs = {}

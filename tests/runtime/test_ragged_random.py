@@ -1,0 +1,105 @@
+"""1,000 randomized steps of documents of random lengths, packed or ragged, at pp 1-4, dp 1-2, every schedule: no
+hang, and every step's loss and the final parameters equal one process training on the same microbatches
+(float64, so the pipeline's other summation order is the only difference)."""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from pipeengine.models import gpt
+from pipeengine.training.packing import Packing
+
+CFG = gpt.Config(block_size=12, n_layer=6, n_head=2, n_embd=8)
+M = 4
+# (pp, dp, schedule, chunks, steps): every schedule once at least; 1,000 steps in all
+CONFIGS = [(1, 2, "1f1b", 1, 130), (1, 1, "gpipe", 1, 60), (2, 1, "gpipe", 1, 60), (2, 2, "1f1b", 1, 80),
+           (2, 1, "zb-h1", 1, 60), (2, 1, "zb-h2", 1, 60), (2, 2, "zbv", 2, 60), (2, 1, "v-half", 2, 60),
+           (2, 1, "v-min", 2, 60), (4, 1, "1f1b", 1, 70), (4, 1, "interleaved-1f1b", 2, 60),
+           (4, 1, "interleaved-zb", 2, 60), (4, 1, "dualpipev", 2, 60), (4, 1, "zbv", 2, 60),
+           (2, 2, "dualpipev", 2, 60)]
+
+
+def step_data(step: int, dp: int) -> list[list[tuple[Any, Any]]]:
+    """Each replica's M microbatches of the step: 2-4 sequences a microbatch of random lengths 1..context, packed
+    or ragged at random, weighted so the loss is the mean over the global batch's real tokens (every configuration
+    of one dp trains on the same stream: one reference run serves them all)."""
+    rng = random.Random(step * 7 + dp)
+    mode = rng.choice(["pack", "ragged"])
+    seqs = [[torch.tensor([rng.randrange(256) for _ in range(rng.randint(1, CFG.block_size) + 1)])
+             for _ in range(rng.randint(2, 4) * M)] for _ in range(dp)]
+    real = sum(len(s) - 1 for share in seqs for s in share)
+    packing = Packing(mode, CFG.block_size, linear_cost=rng.choice([0.0, 96.0]))
+    return [packing.build([(s[:-1].clone(), s[1:].clone()) for s in share], M, dp * M / real) for share in seqs]
+
+
+def _optimizer(ps: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)
+
+
+def run(rank: int, world: int, config: int) -> dict[str, Any]:
+    from pipeengine.runtime.engine import PipelineEngine
+    from pipeengine.runtime.topology import Topology
+    torch.set_default_dtype(torch.float64)
+    pp, dp, schedule, chunks, steps = CONFIGS[config]
+    factories = gpt.layer_factories(CFG)
+    with PipelineEngine(factories, gpt.loss_fn, _optimizer, topology=Topology(pp, dp), schedule=schedule,
+                        microbatches=M, chunks=chunks, seed=3, tied=gpt.tied_parameters(len(factories)),
+                        wire="strict", partition="uniform", timeout=60) as engine:
+        losses = [engine.train_batch(iter(step_data(step, dp)[engine.replica])).loss
+                  for step in range(steps)]
+        params = {k: v.clone() for k, v in engine.state_dict().items() if k.startswith("layers.")}
+    return {"losses": losses, "params": params}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(dp: int) -> tuple[list[float], dict[int, dict[str, torch.Tensor]]]:
+    """One process, the same microbatches (every replica's), the same initial weights and optimizer: the loss of
+    every step, and the parameters after each number of steps a configuration of ``dp`` runs."""
+    ends = {c[-1] for c in CONFIGS if c[1] == dp}
+    torch.set_default_dtype(torch.float64)
+    try:
+        layers = gpt.build(CFG, seed=3)
+        params = list({id(p): p for layer in layers for p in layer.parameters()}.values())
+        opt, losses, snapshots = _optimizer(params), [], {}
+        for step in range(max(ends)):
+            total = torch.zeros(())
+            for share in step_data(step, dp):
+                for x, y in share:
+                    for layer in layers:
+                        x = layer(x)
+                    total = total + gpt.loss_fn(x, y) / (dp * M)
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+            losses.append(float(total.detach()))
+            if step + 1 in ends:
+                snapshots[step + 1] = {f"layers.{i}.{n}": p.detach().clone() for i, layer in enumerate(layers)
+                                       for n, p in layer.named_parameters()}
+        return losses, snapshots
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_thousand_random_ragged_and_packed_steps_equal_one_process(request: pytest.FixtureRequest) -> None:
+    assert sum(c[-1] for c in CONFIGS) == 1000
+    assert {c[2] for c in CONFIGS} >= {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "interleaved-zb",
+                                       "dualpipev", "v-half", "v-min"}
+    for config, (pp, dp, schedule, _, steps) in enumerate(CONFIGS):
+        ranks = request.getfixturevalue(f"world{pp * dp}").run(run, config, timeout=240)
+        losses, snapshots = reference(dp)
+        want_losses, want_params = losses[:steps], snapshots[steps]
+        got: dict[str, torch.Tensor] = {}
+        for r in ranks:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want_losses), rtol=1e-9, atol=1e-12,
+                                       msg=lambda e: f"pp {pp} dp {dp} {schedule}: {e}")
+            got.update(r["params"])
+        assert got.keys() == want_params.keys(), (schedule, sorted(got)[:4], sorted(want_params)[:4])
+        for k, v in got.items():
+            torch.testing.assert_close(v, want_params[k], rtol=1e-9, atol=1e-12, msg=lambda e: f"{schedule} {k}: {e}")
