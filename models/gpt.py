@@ -163,7 +163,7 @@ def tied_parameters(num_layers: int) -> list[list[tuple[int, str]]]:
 
 
 def model(preset: str | None = None, data: str | None = None, dropout: float = 0.0, context: int | None = None,
-          packing: str = "pack") -> Model:
+          packing: str = "ragged") -> Model:
     """The trainer's protocol (``--model gpt``, see pipeengine/training/models.py): preset ``tiny`` by default;
     ``dropout`` (``--dropout``) on the embedding, the attention and each block's residual branches; ``context``
     (``--context``) its context length in tokens; ``packing`` (``--packing``) how documents become rows

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 __all__ = ["PipelineEngine", "Topology", "Plan", "make_plan", "build_schedule", "compile_schedule", "simulate",
-           "Costs", "Model", "save_checkpoint", "load_checkpoint", "export_checkpoint"]
+           "Costs", "Model", "Packing", "save_checkpoint", "load_checkpoint", "export_checkpoint"]
 
 # The example models live in the top-level models/ folder and install as pipeengine.models
 # (setup.cfg maps the package there); run from a source tree, find them beside this package.
@@ -23,7 +23,7 @@ if not os.path.isdir(os.path.join(_here, "models")) and os.path.isfile(os.path.j
 # Names load on first use, so that the schedule tools and ``--help`` stay torch-free.
 _LAZY = {"PipelineEngine": "runtime.engine", "Topology": "runtime.topology", "Plan": "runtime.plan",
          "make_plan": "runtime.plan", "build_schedule": "schedule", "compile_schedule": "schedule",
-         "simulate": "schedule", "Costs": "schedule", "Model": "training.models",
+         "simulate": "schedule", "Costs": "schedule", "Model": "training.models", "Packing": "training.packing",
          "save_checkpoint": "training.checkpoint:save", "load_checkpoint": "training.checkpoint:load",
          "export_checkpoint": "training.export:export"}
 

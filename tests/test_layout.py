@@ -118,7 +118,7 @@ def test_the_schedule_compiler_and_the_command_line_import_no_torch() -> None:
 def test_the_public_api_is_small_and_lazy() -> None:
     import pipeengine
     assert set(pipeengine.__all__) == {"PipelineEngine", "Topology", "Plan", "make_plan", "build_schedule",
-                                       "compile_schedule", "simulate", "Costs", "Model", "save_checkpoint",
+                                       "compile_schedule", "simulate", "Costs", "Model", "Packing", "save_checkpoint",
                                        "load_checkpoint", "export_checkpoint"}
     for name in pipeengine.__all__:
         assert getattr(pipeengine, name) is not None

@@ -66,9 +66,12 @@ def stage_peaks(schedule: Schedule) -> dict[int, int]:
     return peaks
 
 
-def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "async") -> SimResult:
+def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "async",
+             sizes: Sequence[float] | None = None) -> SimResult:
     """Execute a schedule with per-action ``costs`` (one for all stages, one per position or one per stage); raise
     DeadlockError naming the cycle if stuck. An unlowered schedule is lowered with ``costs`` first.
+    ``sizes``: each microbatch's size relative to the one ``costs`` describe (microbatches of their own lengths:
+    its computes and transfers take that many times as long); None: all one size.
 
     ``mode="async"`` is how the engine runs: posting a comm batch never blocks compute; each
     position's batches go through one in-order comm queue (like an NCCL stream), a batch starts
@@ -80,18 +83,21 @@ def simulate(schedule: Schedule, costs: Costs | Sequence[Costs], mode: str = "as
     """
     if not schedule.lowered:
         schedule = lower(schedule, costs)
+    if sizes is not None and (len(sizes) != schedule.microbatches or min(sizes) < 0):
+        raise ValueError(f"sizes must be one number >= 0 per microbatch ({schedule.microbatches}), got {list(sizes)}")
     if mode == "rendezvous":
-        return _Rendezvous(schedule, costs).run()
+        return _Rendezvous(schedule, costs, sizes).run()
     if mode != "async":
         raise ValueError(f"mode must be 'async' or 'rendezvous' (got {mode!r})")
-    return _Async(schedule, costs).run()
+    return _Async(schedule, costs, sizes).run()
 
 
 class _Run:
     """State both simulations share: programs, costs, clocks, matched comm pairs, timed intervals."""
 
-    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs]) -> None:
+    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs], sizes: Sequence[float] | None) -> None:
         self.schedule = schedule
+        self.sizes = list(sizes) if sizes is not None else [1.0] * schedule.microbatches
         self.n = schedule.pp
         self.costs = per_stage(costs, schedule)   # [position][chunk]
         self.split = schedule.split_backwards()
@@ -115,10 +121,14 @@ class _Run:
 
     def compute(self, p: int, step: Step, ready: float) -> None:
         a = step[0]
-        d = self.costs[p][a.chunk].of(a.kind, (p, a.microbatch, a.chunk) in self.split)
+        d = self.costs[p][a.chunk].of(a.kind, (p, a.microbatch, a.chunk) in self.split) * self.sizes[a.microbatch]
         self.intervals[p].append((ready, ready + d, step))
         self.clock[p] = ready + d
         self.busy[p] += d
+
+    def transfer(self, p: int, a: Action) -> float:
+        """How long comm action ``a`` of position ``p`` takes on the wire."""
+        return self.comm[p][a] * self.sizes[a.microbatch]
 
     def unmatched(self, p: int, index: int) -> Action:
         return next(a for a in self.progs[p][index] if (p, a) not in self.matched)
@@ -127,8 +137,8 @@ class _Run:
 class _Rendezvous(_Run):
     """Blocking semantics: a position stops at each comm batch until its peers posted every partner op."""
 
-    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs]) -> None:
-        super().__init__(schedule, costs)
+    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs], sizes: Sequence[float] | None) -> None:
+        super().__init__(schedule, costs, sizes)
         self.posted: list[float | None] = [None] * self.n
 
     def run(self) -> SimResult:
@@ -169,7 +179,7 @@ class _Rendezvous(_Run):
             q, other = a.peer, self.partners[p][a]
             post_q = self.posted[q]
             if post_q is not None and self.where[q].get(other) == self.pc[q]:
-                self.matched[(p, a)] = self.matched[(q, other)] = max(post_p, post_q) + self.comm[p][a]
+                self.matched[(p, a)] = self.matched[(q, other)] = max(post_p, post_q) + self.transfer(p, a)
         if not all((p, a) in self.matched for a in step):
             return False
         end = max([self.clock[p]] + [self.matched[(p, a)] for a in step])
@@ -182,8 +192,8 @@ class _Rendezvous(_Run):
 class _Async(_Run):
     """The engine's semantics: computes post comm batches without blocking; one in-order comm queue per position."""
 
-    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs]) -> None:
-        super().__init__(schedule, costs)
+    def __init__(self, schedule: Schedule, costs: Costs | Sequence[Costs], sizes: Sequence[float] | None) -> None:
+        super().__init__(schedule, costs, sizes)
         self.needs: list[dict[int, int]] = [{} for _ in self.progs]   # compute step -> the step of its recv
         for p, prog in enumerate(self.progs):
             for i, step in enumerate(prog):
@@ -245,7 +255,7 @@ class _Async(_Run):
                 q, other = a.peer, self.partners[p][a]
                 start_q = self.head_start(q)
                 if start_q is not None and self.comm_steps[q][self.head[q]] == self.where[q].get(other):
-                    self.matched[(p, a)] = self.matched[(q, other)] = max(start, start_q) + self.comm[p][a]
+                    self.matched[(p, a)] = self.matched[(q, other)] = max(start, start_q) + self.transfer(p, a)
             if not all((p, a) in self.matched for a in self.progs[p][idx]):
                 break
             end = max([start] + [self.matched[(p, a)] for a in self.progs[p][idx]])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -156,10 +156,11 @@ class Reporter:
         if trace:
             chrome_trace(records, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
 
-    def step_done(self, step: int, wall: float, data: float, pipeline: float, tokens: tuple[int, int]) -> None:
+    def step_done(self, step: int, wall: float, data: float, pipeline: float,
+                  tokens: Callable[[int], tuple[int, int]]) -> None:
         """The step's wall time is known: log it with the rates it gives (the progress line's figures); ``tokens``:
-        its real tokens and positions computed ((0, 0): not counted)."""
-        self.times.add(wall, data, pipeline, tokens)
+        a step's real tokens and positions computed ((0, 0): not counted), asked where the figures are shown."""
+        self.times.add(wall, data, pipeline, tokens(step) if self.writer.enabled else (0, 0))
         rates = self.rates()
         scalars = {"time/wall_s": wall, "time/data_s": data,
                    **{f"throughput/{k}": v for k, v in rates.items() if k != "mfu" and v is not None}}

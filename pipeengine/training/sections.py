@@ -55,7 +55,7 @@ class ModelConfig:
                                         "None is the preset's)", check=at_least(1, "a positive number of tokens"),
                                   metavar="N")
     packing: str | None = setting(None, "how documents of different lengths become microbatches, for a model whose "
-                                        "function takes packing= (gpt: None is pack): pad one per row to the "
+                                        "function takes packing= (gpt: None is ragged): pad one per row to the "
                                         "context; pack several per row, attention within each; ragged one per row, "
                                         "each microbatch its own shape (docs: pipeengine/training/packing.py)",
                                   choices=("pad", "pack", "ragged"))

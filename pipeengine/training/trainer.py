@@ -336,7 +336,7 @@ class Trainer:
             else:   # a background save is published as soon as every rank wrote it
                 self.saves.publish(self.is_tty, wait=False)
             t_start, t_end = t_end, time.perf_counter()
-            self.reporter.step_done(step, t_end - t_start, self.last_data_s, self.last_step_s, self.feed.tokens(step))
+            self.reporter.step_done(step, t_end - t_start, self.last_data_s, self.last_step_s, self.feed.tokens)
             last = step + 1 == steps and stopped is None   # its line comes after the final evaluation, with its loss
             if (self.is_tty or (step + 1) % cfg.logging.log_interval == 0) and not last:
                 self._progress(step + 1)

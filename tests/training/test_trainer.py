@@ -321,3 +321,29 @@ def test_the_log_is_pythons_logging_with_the_rank_in_each_record(
     finally:
         logging.getLogger("pipeengine").removeHandler(handler)
         logging.getLogger("pipeengine").setLevel(logging.INFO)
+
+
+@pytest.mark.timeout(120)
+def test_tokens_per_s_counts_real_tokens_with_the_padding_beside_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Documents of their own lengths: tokens/s is the steady steps' real tokens over their wall time, and the
+    padding fraction the positions they computed for nothing, in the summary, summary.json and TensorBoard."""
+    from pipeengine.models.documents import Documents
+    from pipeengine.training.data import step_indices
+    from pipeengine.training.packing import Packing
+    s = run(parse_args(["--model", "gpt", "--context", "32", "--packing", "ragged", "--steps", "5", "--log-dir",
+                        str(tmp_path), "--run-name", "r", "--quiet", "--eval-interval", "0"]))
+    out = capsys.readouterr().out
+    size, m = s["global_batch"], s["config"]["schedule"]["microbatches"]
+    docs, steady = Documents(context=32), s["timed_steps"]
+    lengths = [docs.lengths("train")[step_indices(docs, "train", t * size, 1234, size)].tolist() for t in steady]
+    real = sum(sum(x) for x in lengths)
+    positions = sum(Packing("ragged", 32, linear_cost=12.0 * 64).positions(x, m) for x in lengths)   # tiny: 64 wide
+    assert s["padding_fraction"] == pytest.approx(1 - real / positions, rel=1e-12) and s["padding_fraction"] > 0
+    assert s["tokens_per_s"] == pytest.approx(real / (s["wall_s_per_step"] * len(steady)), rel=1e-9)
+    assert f"tokens/s (real tokens; padding {100 * s['padding_fraction']:.1f}% of the positions)" in out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert acc.Scalars("throughput/padding_fraction")[-1].value == pytest.approx(s["padding_fraction"], rel=1e-6)
+    assert acc.Scalars("throughput/tokens_per_s")[-1].value == pytest.approx(s["tokens_per_s"], rel=1e-6)
