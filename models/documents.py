@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import itertools
 import os
+import struct
+import sys
 import sysconfig
+import zlib
 from typing import Iterator, NamedTuple
 
 import torch
@@ -47,16 +51,50 @@ def _stdlib_definitions() -> Iterator[bytes]:
                     yield b"".join(lines[first - 1:node.end_lineno])
 
 
-@functools.lru_cache(maxsize=2)   # parsed once per process (about a second for the default 4 MB)
+@functools.lru_cache(maxsize=2)   # once per process; parsed once per machine (about a second for the default 4 MB)
 def _stdlib_documents(max_bytes: int) -> list[bytes]:
-    """The first standard-library definitions, ``max_bytes`` bytes in all (the last one cut short)."""
+    """The first standard-library definitions, ``max_bytes`` bytes in all (the last one cut short), from the cache
+    (``$XDG_CACHE_HOME`` or ``~/.cache``, ``pipeengine/``) when an earlier run made them with this Python."""
+    path = _cache_path(max_bytes)
+    cached = _read_cache(path)
+    if cached is not None:
+        return cached
     docs, room = [], max_bytes
     for doc in _stdlib_definitions():
         if room <= 0:
             break
         docs.append(doc[:room])
         room -= len(docs[-1])
+    try:   # written whole or not at all: ranks starting together may race to write it
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<q", len(docs)) + struct.pack(f"<{len(docs)}q", *map(len, docs)) + b"".join(docs))
+        os.replace(tmp, path)
+    except OSError:   # a read-only home: parse again next time
+        pass
     return docs
+
+
+def _cache_path(max_bytes: int) -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    key = zlib.crc32(f"{sysconfig.get_paths()['stdlib']}|{sys.version}|{max_bytes}|{_SKIP}|v1".encode())
+    return os.path.join(root, "pipeengine", f"stdlib-documents-{key:08x}.bin")
+
+
+def _read_cache(path: str) -> list[bytes] | None:
+    """The documents a cache file holds (count, each length, the bytes), or None if it is missing or damaged."""
+    try:
+        with open(path, "rb") as fh:
+            blob = fh.read()
+        (count,) = struct.unpack_from("<q", blob)
+        lengths = struct.unpack_from(f"<{count}q", blob, 8)
+    except (OSError, struct.error):
+        return None
+    starts = list(itertools.accumulate(lengths, initial=8 + 8 * count))
+    if starts[-1] != len(blob):
+        return None
+    return [blob[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def _check_path(path: str, what: str) -> None:

@@ -97,8 +97,13 @@ def header_length(microbatches: int) -> int:
 
 
 def shape_table(inputs: Sequence[Any]) -> Table | None:
-    """Each microbatch's input shape (its first tensor's), or None when they are all one shape."""
-    shapes = tuple(tuple((x if isinstance(x, torch.Tensor) else x[0]).shape) for x in inputs)
+    """Each microbatch's input shape (its first tensor's), or None when they are all one shape (or the inputs hold
+    no tensor: a rank that reads only targets)."""
+    firsts = [x if isinstance(x, torch.Tensor) else next((t for t in x if isinstance(t, torch.Tensor)), None)
+              if isinstance(x, (tuple, list)) else None for x in inputs]
+    if any(t is None for t in firsts):
+        return None
+    shapes = tuple(tuple(t.shape) for t in firsts if t is not None)
     if len(set(shapes)) <= 1:
         return None
     if len({len(s) for s in shapes}) > 1 or len(shapes[0]) > RAGGED_DIMS:

@@ -191,3 +191,15 @@ def test_through_a_dataloader(tmp_path: Path) -> None:
     assert len(loaded) == c.num_examples("train")
     for i, (x, y) in enumerate(loaded):
         assert all(torch.equal(u, v) for u, v in zip((x, y), c.example("train", i)))
+
+
+def test_the_parsed_stdlib_is_cached_per_machine_and_a_damaged_cache_is_parsed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeengine.models import documents
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    parse = documents._stdlib_documents.__wrapped__   # (past the per-process cache)
+    first = parse(100_000)
+    (cached,) = (tmp_path / "pipeengine").iterdir()
+    assert parse(100_000) == first and sum(map(len, first)) == 100_000
+    cached.write_bytes(cached.read_bytes()[:-1])   # cut short: not trusted
+    assert parse(100_000) == first and cached.stat().st_size == 8 + 8 * len(first) + 100_000

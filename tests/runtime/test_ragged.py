@@ -145,3 +145,8 @@ def test_an_output_that_follows_neither_rule_is_named_and_the_peer_stops(tmp_pat
     assert text.startswith("ValueError: stage 0 output for microbatch 1 is (float32[5, 1]), but its input shape [1, 5] "
                            "makes it (float32[5, 3])"), text
     assert "either starts with the microbatch's input shape or keeps one shape" in text, text
+
+
+def test_a_rank_without_inputs_learns_the_table_from_the_header() -> None:
+    assert shape_table([None, None]) is None   # the last stage's rank reads (None, target) pairs
+    assert shape_table([(None, torch.zeros(2, 3)), (None, torch.zeros(1, 3))]) == ((2, 3), (1, 3))

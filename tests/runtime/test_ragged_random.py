@@ -17,11 +17,11 @@ from pipeengine.training.packing import Packing
 CFG = gpt.Config(block_size=12, n_layer=6, n_head=2, n_embd=8)
 M = 4
 # (pp, dp, schedule, chunks, steps): every schedule once at least; 1,000 steps in all
-CONFIGS = [(1, 2, "1f1b", 1, 130), (1, 1, "gpipe", 1, 60), (2, 1, "gpipe", 1, 60), (2, 2, "1f1b", 1, 80),
-           (2, 1, "zb-h1", 1, 60), (2, 1, "zb-h2", 1, 60), (2, 2, "zbv", 2, 60), (2, 1, "v-half", 2, 60),
-           (2, 1, "v-min", 2, 60), (4, 1, "1f1b", 1, 70), (4, 1, "interleaved-1f1b", 2, 60),
-           (4, 1, "interleaved-zb", 2, 60), (4, 1, "dualpipev", 2, 60), (4, 1, "zbv", 2, 60),
-           (2, 2, "dualpipev", 2, 60)]
+CONFIGS = [(1, 2, "1f1b", 1, 40), (1, 1, "gpipe", 1, 160), (2, 1, "gpipe", 1, 100), (2, 2, "1f1b", 1, 40),
+           (2, 1, "zb-h1", 1, 100), (2, 1, "zb-h2", 1, 100), (2, 2, "zbv", 2, 30), (2, 1, "v-half", 2, 100),
+           (2, 1, "v-min", 2, 100), (4, 1, "1f1b", 1, 40), (4, 1, "interleaved-1f1b", 2, 40),
+           (4, 1, "interleaved-zb", 2, 40), (4, 1, "dualpipev", 2, 40), (4, 1, "zbv", 2, 40),
+           (2, 2, "dualpipev", 2, 30)]
 
 
 def step_data(step: int, dp: int) -> list[list[tuple[Any, Any]]]:

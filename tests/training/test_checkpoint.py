@@ -81,16 +81,15 @@ def test_resume_is_bitwise_and_repartitioning_keeps_the_next_loss(tmp_path: Path
     # export the step-3 checkpoint and evaluate the plain model: the pipeline's validation loss at step 3
     out = str(tmp_path / "model.pt")
     assert export(os.path.join(d, "step-00000003"), out) > 0
-    from pipeengine.models import data, gpt
-    from pipeengine.training.data import batches
-    cfg = gpt.presets()["tiny"]()
-    layers = gpt.build(cfg)
-    net = nn.Sequential(*layers)
+    from pipeengine.models import gpt
+    from pipeengine.training.batch import Batch
+    from pipeengine.training.feed import Feed
+    model = gpt.model()
+    net = nn.Sequential(*gpt.build(gpt.presets()["tiny"]()))
     net.load_state_dict(torch.load(out, weights_only=True))
-    src = data.ByteCorpus(block_size=cfg.block_size)
-    ((x, y),) = batches(src, "val", 3, 1234, 0, 1, 1, 2 * 2 * 2)
-    with torch.no_grad():
-        loss = gpt.loss_fn(net(x), y).item()
+    feed = Feed(model.data, None, 1234, Batch(2 * 2 * 2, 1, 8), 1, 0, 6, 0, False, model.packing)
+    with torch.no_grad():   # the step's mean over its real tokens (each target carries its weight)
+        loss = sum(gpt.loss_fn(net(x), y).item() for x, y in feed.val(3) or [])
     torch.testing.assert_close(loss, r[1]["val_loss"], rtol=1e-5, atol=1e-6)
 
 
