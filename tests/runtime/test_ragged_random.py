@@ -4,6 +4,7 @@ hang, and every step's loss and the final parameters equal one process training 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from typing import Any
@@ -14,18 +15,24 @@ import torch
 from pipeengine.models import gpt
 from pipeengine.training.packing import Packing
 
-CFG = gpt.Config(block_size=12, n_layer=6, n_head=2, n_embd=8)
+CFG = gpt.Config(block_size=12, n_layer=6, n_head=2, n_embd=8)   # 8 layers: 8 stages at pp 4 x 2 chunks
 # (pp, dp, schedule, chunks, steps): every schedule once at least; 1,000 steps in all; microbatches: 2 up to pp 2
-# (the engine's cost is per action: the test's time), 4 at pp 4
-CONFIGS = [(1, 2, "1f1b", 1, 40), (1, 1, "gpipe", 1, 160), (2, 1, "gpipe", 1, 100), (2, 2, "1f1b", 1, 40),
-           (2, 1, "zb-h1", 1, 100), (2, 1, "zb-h2", 1, 100), (2, 2, "zbv", 2, 30), (2, 1, "v-half", 2, 100),
-           (2, 1, "v-min", 2, 100), (4, 1, "1f1b", 1, 40), (4, 1, "interleaved-1f1b", 2, 40),
+# (the engine's cost is per action: the test's time), 4 at pp 4. No run is longer than 160 steps: AdamW amplifies
+# the last-bit differences of another summation order, and past ~300 steps float64 runs drift apart by 1e-5.
+CONFIGS = [(1, 2, "1f1b", 1, 40), (1, 1, "gpipe", 1, 160), (1, 1, "1f1b", 1, 150), (2, 1, "gpipe", 1, 70),
+           (2, 2, "1f1b", 1, 40), (2, 1, "zb-h1", 1, 70), (2, 1, "zb-h2", 1, 70), (2, 2, "zbv", 2, 30),
+           (2, 1, "v-half", 2, 70), (2, 1, "v-min", 2, 70), (4, 1, "1f1b", 1, 40), (4, 1, "interleaved-1f1b", 2, 40),
            (4, 1, "interleaved-zb", 2, 40), (4, 1, "dualpipev", 2, 40), (4, 1, "zbv", 2, 40),
            (2, 2, "dualpipev", 2, 30)]
 
 
 def microbatches(pp: int) -> int:
     return 4 if pp == 4 else 2
+
+
+def model_config(m: int) -> gpt.Config:
+    """8 layers at pp 4 (m 4), 4 up to pp 2 (m 2): enough stages for every schedule, and no more work."""
+    return CFG if m == 4 else dataclasses.replace(CFG, n_layer=2)
 
 
 def step_data(step: int, dp: int, m: int) -> list[list[tuple[Any, Any]]]:
@@ -50,7 +57,7 @@ def run(rank: int, world: int, config: int) -> dict[str, Any]:
     from pipeengine.runtime.topology import Topology
     torch.set_default_dtype(torch.float64)
     pp, dp, schedule, chunks, steps = CONFIGS[config]
-    factories = gpt.layer_factories(CFG)
+    factories = gpt.layer_factories(model_config(microbatches(pp)))
     with PipelineEngine(factories, gpt.loss_fn, _optimizer, topology=Topology(pp, dp), schedule=schedule,
                         microbatches=microbatches(pp), chunks=chunks, seed=3, tied=gpt.tied_parameters(len(factories)),
                         wire="strict", partition="uniform", timeout=60) as engine:
@@ -67,7 +74,7 @@ def reference(dp: int, m: int) -> tuple[list[float], dict[int, dict[str, torch.T
     ends = {c[-1] for c in CONFIGS if (c[1], microbatches(c[0])) == (dp, m)}
     torch.set_default_dtype(torch.float64)
     try:
-        layers = gpt.build(CFG, seed=3)
+        layers = gpt.build(model_config(m), seed=3)
         params = list({id(p): p for layer in layers for p in layer.parameters()}.values())
         opt, losses, snapshots = _optimizer(params), [], {}
         for step in range(max(ends)):
