@@ -7,34 +7,50 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from typing import Iterator
+
 import torch
 
-__all__ = ["ByteCorpus", "ImageSource", "SyntheticRegression"]
+__all__ = ["ByteCorpus", "ImageSource", "SyntheticRegression", "stdlib_sources", "text_files", "check_path"]
 
 
-def _stdlib_bytes(max_bytes: int) -> bytes:
+SKIP = ("site-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3")   # stdlib folders left out
+
+
+def stdlib_sources() -> Iterator[bytes]:
+    """The Python standard library's .py files (not its tests or site-packages), walked in sorted order."""
     root = sysconfig.get_paths()["stdlib"]
-    chunks, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
-        skip = ("site-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3")
-        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP)
         for name in sorted(filenames):
             if name.endswith(".py"):
                 with open(os.path.join(dirpath, name), "rb") as fh:
-                    data = fh.read()
-                chunks.append(data)
-                total += len(data)
-                if total >= max_bytes:
-                    return b"".join(chunks)[:max_bytes]
+                    yield fh.read()
+
+
+def _stdlib_bytes(max_bytes: int) -> bytes:
+    chunks, total = [], 0
+    for data in stdlib_sources():
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            return b"".join(chunks)[:max_bytes]
     return b"".join(chunks)
 
 
-def _path_bytes(path: str, max_bytes: int) -> bytes:
+def check_path(path: str, what: str) -> None:
+    """A ValueError unless ``path`` is a regular file or folder (``what``: what to give instead)."""
     if not os.path.exists(path):
-        raise ValueError(f"--data {path!r} does not exist; give a text file or a folder of text files")
+        raise ValueError(f"--data {path!r} does not exist; give {what}")
     if not os.path.isfile(path) and not os.path.isdir(path):   # /dev/zero, a named pipe: reads that never end
-        raise ValueError(f"--data {path!r} is not a regular file or folder (a device, pipe or socket); give a text "
-                         f"file or a folder of text files")
+        raise ValueError(f"--data {path!r} is not a regular file or folder (a device, pipe or socket); give {what}")
+
+
+def text_files(path: str, max_bytes: int) -> list[bytes]:
+    """Each file of a text file or folder (walked in sorted order), ``max_bytes`` bytes in all; binary files and
+    empty paths refused."""
+    what = "a text file or a folder of text files"
+    check_path(path, what)
     files = [path] if os.path.isfile(path) else [
         os.path.join(d, n) for d, dirs, names in sorted(os.walk(path)) for n in sorted(names)
         if os.path.isfile(os.path.join(d, n))]
@@ -50,8 +66,8 @@ def _path_bytes(path: str, max_bytes: int) -> bytes:
             break
     if not total:
         raise ValueError(f"--data {path!r} is empty" + ("" if files else " (a folder without files)")
-                         + "; give a text file or a folder of text files")
-    return b"".join(chunks)
+                         + f"; give {what}")
+    return chunks
 
 
 class ByteCorpus:
@@ -59,7 +75,7 @@ class ByteCorpus:
 
     def __init__(self, path: str | None = None, block_size: int = 64, max_bytes: int = 4_000_000,
                  val_fraction: float = 0.1) -> None:
-        raw = _stdlib_bytes(max_bytes) if path is None else _path_bytes(path, max_bytes)
+        raw = _stdlib_bytes(max_bytes) if path is None else b"".join(text_files(path, max_bytes))
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long() if raw else torch.zeros(0, dtype=torch.long)
         n_val = int(len(data) * val_fraction)
         self.train, self.val = data[:len(data) - n_val], data[len(data) - n_val:]

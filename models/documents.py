@@ -22,9 +22,10 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from .data import SKIP, check_path, stdlib_sources, text_files
+
 __all__ = ["Documents"]
 
-_SKIP = ("site-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3")   # as data._stdlib_bytes skips
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _CHUNK = 1 << 24   # tokens widened at a time to find a token file's largest token
 
@@ -32,23 +33,16 @@ _CHUNK = 1 << 24   # tokens widened at a time to find a token file's largest tok
 def _stdlib_definitions() -> Iterator[bytes]:
     """The standard library's top-level def, async def and class statements, file by file in sorted order, each
     from its first decorator line (or its own) through its last line: whole lines, as bytes."""
-    root = sysconfig.get_paths()["stdlib"]
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                source = fh.read()
-            try:
-                tree = ast.parse(source)
-            except (SyntaxError, ValueError):   # bad syntax, an undecodable file, NUL bytes: not a source to learn
-                continue
-            lines = source.splitlines(keepends=True)   # bytes split at \n, \r\n and \r, as Python counts lines
-            for node in tree.body:
-                if isinstance(node, _DEFINITIONS):
-                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                    yield b"".join(lines[first - 1:node.end_lineno])
+    for source in stdlib_sources():
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):   # bad syntax, an undecodable file, NUL bytes: not a source to learn
+            continue
+        lines = source.splitlines(keepends=True)   # bytes split at \n, \r\n and \r, as Python counts lines
+        for node in tree.body:
+            if isinstance(node, _DEFINITIONS):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                yield b"".join(lines[first - 1:node.end_lineno])
 
 
 @functools.lru_cache(maxsize=2)   # once per process; parsed once per machine (about a second for the default 4 MB)
@@ -78,7 +72,7 @@ def _stdlib_documents(max_bytes: int) -> list[bytes]:
 
 def _cache_path(max_bytes: int) -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    key = zlib.crc32(f"{sysconfig.get_paths()['stdlib']}|{sys.version}|{max_bytes}|{_SKIP}|v1".encode())
+    key = zlib.crc32(f"{sysconfig.get_paths()['stdlib']}|{sys.version}|{max_bytes}|{SKIP}|v1".encode())
     return os.path.join(root, "pipeengine", f"stdlib-documents-{key:08x}.bin")
 
 
@@ -97,40 +91,9 @@ def _read_cache(path: str) -> list[bytes] | None:
     return [blob[a:b] for a, b in zip(starts, starts[1:])]
 
 
-def _check_path(path: str, what: str) -> None:
-    if not os.path.exists(path):
-        raise ValueError(f"--data {path!r} does not exist; give {what}")
-    if not os.path.isfile(path) and not os.path.isdir(path):   # /dev/zero, a named pipe: reads that never end
-        raise ValueError(f"--data {path!r} is not a regular file or folder (a device, pipe or socket); give {what}")
-
-
-def _text_documents(path: str, max_bytes: int) -> list[bytes]:
-    """Each file of a text file or folder (walked in sorted order) one document, ``max_bytes`` bytes in all: the
-    checks and messages of data._path_bytes."""
-    what = "a text file or a folder of text files"
-    _check_path(path, what)
-    files = [path] if os.path.isfile(path) else [
-        os.path.join(d, n) for d, dirs, names in sorted(os.walk(path)) for n in sorted(names)
-        if os.path.isfile(os.path.join(d, n))]
-    docs, total = [], 0
-    for name in files:
-        with open(name, "rb") as fh:
-            data = fh.read(max_bytes - total)
-        if b"\x00" in data[:65536]:
-            raise ValueError(f"--data: {name!r} is binary (it holds NUL bytes), not text; give text files")
-        docs.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    if not total:
-        raise ValueError(f"--data {path!r} is empty" + ("" if files else " (a folder without files)")
-                         + f"; give {what}")
-    return docs
-
-
 def _token_file(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``.bin`` file's tokens (uint16, memory-mapped) and its ``.idx`` document offsets (int64), checked."""
-    _check_path(path, "a token file (.bin) with its document index (.idx) beside it")
+    check_path(path, "a token file (.bin) with its document index (.idx) beside it")
     index = path[:-len(".bin")] + ".idx"
     layout = "little-endian int64 offsets: 0, then the end of each document, the last the number of tokens"
     if not os.path.isfile(index):
@@ -191,7 +154,7 @@ class Documents:
             self._tokens, offsets = _token_file(path)
             self.vocab_size = _largest(self._tokens) + 1
         else:
-            docs = _stdlib_documents(max_bytes) if path is None else _text_documents(path, max_bytes)
+            docs = _stdlib_documents(max_bytes) if path is None else text_files(path, max_bytes)
             if len(docs) == 1:   # one text file: its last val_fraction validates, as two documents
                 cut = len(docs[0]) - max(1, int(len(docs[0]) * val_fraction))
                 docs = [docs[0][:cut], docs[0][cut:]]
