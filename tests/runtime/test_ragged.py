@@ -135,6 +135,7 @@ def _off_contract(rank: int, world: int, out: str) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_an_output_that_follows_neither_rule_is_named_and_the_peer_stops(tmp_path: Any) -> None:
     out = str(tmp_path / "error.txt")
