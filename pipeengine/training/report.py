@@ -26,7 +26,7 @@ def progress_line(step: int, total: int, loss: float, val: float, rates: Mapping
     val_s = f"  val {val:.4f}" if math.isfinite(val) else ""
     tokens = f"  {rates['tokens_per_s']:,.0f} tokens/s" if rates.get("tokens_per_s") else ""
     if rates.get("padding_fraction") is not None:
-        tokens += f" (padding {100 * (rates['padding_fraction'] or 0):.0f}%)"
+        tokens += f" (padding {100 * (rates['padding_fraction'] or 0):.1f}%)"
     return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}{val_s}  {steps_s:.2f} "
             f"steps/s  {rates['samples_per_s'] or 0:,.1f} samples/s{tokens}  {memory}  "
             f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
