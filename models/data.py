@@ -1,4 +1,5 @@
-"""The example models' data, made locally (no downloads): a byte corpus, images, a synthetic regression.
+"""The example models' data, made locally (no downloads): the stdlib walk and text files (documents.py builds the
+GPT's documents on them), a byte stream in fixed windows (benchmarks, tests), images, a synthetic regression.
 
 Each source gives examples by index; pipeengine.training.data turns them into each step's batches.
 """

@@ -65,8 +65,9 @@ class ModelConfig:
 class DataConfig:
     """What it trains on, and how much per step."""
 
-    path: str | None = setting(None, "gpt: a text file or folder; resnet: an ImageFolder root (None: a byte "
-                                     "corpus / FakeData made locally)", flag="--data")
+    path: str | None = setting(None, "gpt: a text file or folder (each file a document) or a tokens.bin with its "
+                                     "tokens.idx; resnet: an ImageFolder root (None: the stdlib's definitions as "
+                                     "documents / FakeData, made locally)", flag="--data")
     global_batch: int | None = setting(None, "examples per optimizer step over all replicas, whatever pp x dp; dp "
                                              "need not divide it (None: 32, or dp x 2pp if more, or dp x -m x -b "
                                              "when both are given; a resumed run keeps its checkpoint's)",
