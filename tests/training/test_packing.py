@@ -211,3 +211,36 @@ def test_the_gpt_loss_and_gradients_are_the_same_padded_packed_or_ragged() -> No
         torch.testing.assert_close(results[mode][0], results["pad"][0], rtol=1e-12, atol=0)
         for got, want in zip(results[mode][1], results["pad"][1]):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_torch_dataset_with_lengths_is_packed_by_the_feed() -> None:
+    """``Model.packing`` with a map-style Dataset that says its lengths: each step's sequences become the replica's
+    microbatches by the packing, targets weighted by the global batch's real tokens; a stream is refused."""
+    from pipeengine.training.batch import Batch
+    from pipeengine.training.feed import Feed
+
+    class Seqs(torch.utils.data.Dataset):   # type: ignore[type-arg]
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            lengths = torch.randint(1, 9, (40,), generator=g)
+            self.seqs = [torch.randint(0, 50, (int(n) + 1,), generator=g) for n in lengths]
+
+        def __len__(self) -> int:
+            return len(self.seqs)
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.seqs[i][:-1], self.seqs[i][1:]
+
+        def lengths(self) -> list[int]:
+            return [len(s) - 1 for s in self.seqs]
+
+    packing = Packing("ragged", 8)
+    feed = Feed(Seqs(), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
+    mbs = list(feed.train(0)[0])
+    assert len(mbs) == 2 and all(isinstance(x, torch.Tensor) and x.dim() == 2 for x, _ in mbs)
+    real, positions = feed.tokens(0)
+    weight = mbs[0][1][1]
+    assert float(weight) == pytest.approx(4 / real) and positions >= real   # 2 replicas x 2 microbatches
+    assert sum(int((y != IGNORE).sum()) for _, (y, _) in mbs) < real        # this replica's share only
+    with pytest.raises(ValueError, match="a stream cannot be packed ahead"):
+        Feed(iter(Seqs().seqs), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
