@@ -27,7 +27,7 @@ from .local import LocalModel
 from .microbatches import read_microbatches
 from .numerics import NonFiniteError
 from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, replica_counts
 from .release import opened, release
 from .results import StepResult, StepState
 from .rng import generator_of, kept, microbatch_key, step_key
@@ -80,7 +80,8 @@ class PipelineEngine:
         shard_optimizer: ZeRO-1, the optimizer state sharded over each stage's data-parallel group
             (zero.py; a no-op at dp 1); the optimizer must update elements on their own (SGD, Adam, AdamW...).
         link_gbps: with ``partition="profile"``, every pipeline link's bandwidth in Gbit/s instead of measuring
-            each neighbour link at start ([Note: links in the plan] in links.py).
+            each neighbour link at start ([Note: links in the plan] in links.py); ``microbatch_sizes``: each
+            microbatch's size relative to ``sample`` (shapes of their own), for the predicted step.
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -93,7 +94,8 @@ class PipelineEngine:
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
                  bucket_mb: float = 25.0, seed: int = 0, recompute: str = "none", precision: str = "fp32",
                  wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
-                 shard_optimizer: bool = False, boundary_dtype: str = "fp32", link_gbps: float | None = None) -> None:
+                 shard_optimizer: bool = False, boundary_dtype: str = "fp32", link_gbps: float | None = None,
+                 microbatch_sizes: Sequence[float] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -106,7 +108,7 @@ class PipelineEngine:
         self.watch.timeout = timeout or STARTUP_TIMEOUT
         if isinstance(schedule, Schedule) and isinstance(microbatches, int):   # a compiled schedule says its own
             microbatches = schedule.microbatches
-        counts = _replica_counts(microbatches, self.topology.dp)
+        counts = replica_counts(microbatches, self.topology.dp)
         self.plan = plan or make_plan(
             layers, self.topology.pp, schedule=schedule, microbatches=counts, chunks=chunks,
             partition=partition, costs=costs, sample=sample, memory_cap=memory_cap, seed=seed, precision=precision,
@@ -116,7 +118,7 @@ class PipelineEngine:
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
                    "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps},
-            links=links_for(self.topology, self.device, link_gbps))
+            links=links_for(self.topology, self.device, link_gbps), sizes=microbatch_sizes)
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
         self.microbatches = self.schedule.microbatches   # this replica's
         counts = list(self.plan.counts or [self.microbatches] * self.topology.dp)
@@ -388,13 +390,3 @@ class PipelineEngine:
         state.computed = a.kind.is_compute
         self.clock.add(stage.index, Phase(a.kind.value) if state.computed else Phase.COMM, mb, start, self.clock.mark())
         self.wire.poll()
-
-
-def _replica_counts(microbatches: int | Sequence[int], dp: int) -> list[int]:
-    """Every replica's microbatch count: ``microbatches`` for each, or the list given (one per replica)."""
-    if isinstance(microbatches, int) and not isinstance(microbatches, bool):
-        return [microbatches] * dp
-    counts = list(microbatches) if isinstance(microbatches, Sequence) else []
-    if len(counts) != dp:
-        raise ValueError(f"microbatches must be a number, or a count per replica ({dp} of them); got {microbatches!r}")
-    return counts

@@ -24,7 +24,7 @@ from .links import Links
 from .measured import Choice
 from .profile import profile_shares
 
-__all__ = ["Plan", "make_plan"]
+__all__ = ["Plan", "make_plan", "replica_counts"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
               sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, seed: int = 0,
               precision: str = "fp32", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
               device: torch.device | None = None, validate_schedule: bool = True,
-              agree: Mapping[str, Any] | None = None, links: Links | Callable[[], Links] | None = None) -> Plan:
+              agree: Mapping[str, Any] | None = None, links: Links | Callable[[], Links] | None = None,
+              sizes: Sequence[float] | None = None) -> Plan:
     """The plan every rank uses (collective; see the module docstring).
 
     Args:
@@ -108,6 +109,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         links: with ``partition="profile"``, what a transfer between neighbours costs (links.py: stated, or a
             collective that measures them, called on every rank once they agree on the settings); the split,
             auto's choice and the predicted step count the transfers. None: free.
+        sizes: each microbatch's size relative to ``sample`` (microbatches of their own lengths: its computes and
+            transfers scale with it) for the predicted step; None, or a count other than ``microbatches``: one size.
     """
     auto = schedule == "auto" and pp > 1
     counts = _counts(microbatches, schedule)
@@ -130,7 +133,7 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     if chosen is not None:   # lowered with the measured per-stage costs already
         compiled = chosen.schedule
     elif choice is not None and isinstance(schedule, str) and costs is None:
-        costs, compiled, choice = _relowered(choice, schedule, pp, microbatches, chunks, uneven)
+        costs, compiled, choice = _relowered(choice, schedule, pp, microbatches, chunks, uneven, sizes)
     kind = chosen.library if chosen is not None else compiled.name   # what the other counts run
     schedules = {c: (compiled if c == microbatches else _by_count(kind, pp, c, compiled.chunks, costs, True),
                      compile_schedule("forward", pp, c, compiled.chunks, placement=compiled.placement_kind))
@@ -142,12 +145,14 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
 
 
 def _relowered(choice: Choice, schedule: str, pp: int, microbatches: int, chunks: int | None,
-               uneven: bool) -> tuple[Costs, Schedule, Choice]:
+               uneven: bool, sizes: Sequence[float] | None = None) -> tuple[Costs, Schedule, Choice]:
     """The schedule lowered with the measured costs (the communication order, zb-h1's variant), and the choice with
-    the predicted step of that program (the planner simulated the one lowered with unit costs)."""
+    the predicted step of that program (the planner simulated the one lowered with unit costs), its microbatches of
+    ``sizes`` when there is one per microbatch."""
     costs = choice.mean_costs()
     compiled = _by_count(schedule, pp, microbatches, chunks, costs, uneven)
-    return costs, compiled, replace(choice, makespan=simulate(compiled, choice.costs()).makespan)
+    sized = list(sizes) if sizes is not None and len(sizes) == microbatches else None
+    return costs, compiled, replace(choice, makespan=simulate(compiled, choice.costs(), sizes=sized).makespan)
 
 
 def _decide(measured: Sequence[Any], sizing: Sequence[Any], compiled: Schedule, partition: str | Sequence[int],
@@ -213,3 +218,13 @@ def _check_same_everywhere(seed: int, sizing: Sequence[Any], agree: dict[str, An
     mismatch = settings_mismatch([settings for _, settings in everyone]) or model_mismatch([m for m, _ in everyone])
     if mismatch:
         raise ValueError(mismatch)
+
+
+def replica_counts(microbatches: int | Sequence[int], dp: int) -> list[int]:
+    """Every replica's microbatch count: ``microbatches`` for each, or the list given (one per replica)."""
+    if isinstance(microbatches, int) and not isinstance(microbatches, bool):
+        return [microbatches] * dp
+    counts = list(microbatches) if isinstance(microbatches, Sequence) else []
+    if len(counts) != dp:
+        raise ValueError(f"microbatches must be a number, or a count per replica ({dp} of them); got {microbatches!r}")
+    return counts

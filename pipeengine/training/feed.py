@@ -157,6 +157,17 @@ class Feed:
         return (sum(sum(s) for s in shares),
                 sum(self.packing.positions(s, counts[r]) for r, s in enumerate(shares)))
 
+    def sizes(self) -> list[float] | None:
+        """With a packing: the microbatches of replica 0 (the largest count) of the data's first global batch, which
+        :meth:`sample` gives the first of, each one's positions relative to that first's (a cost per token: the
+        predicted step follows the lengths); else None."""
+        if self.packing is None:
+            return None
+        idx = step_indices(self.data, "train", 0, self.seed, self.batch.size)
+        shapes = self.packing.shapes(self.data.lengths("train")[replica_share(idx, self.batch, self.dp, 0)].tolist(),
+                                     self.batch.counts(self.dp)[0])
+        return [rows * width / (shapes[0][0] * shapes[0][1]) for rows, width in shapes]
+
     def sample(self) -> tuple[Any, Any]:
         """The run's first microbatch (what the profile partition times)."""
         if self.packing is not None:

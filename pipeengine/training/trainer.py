@@ -164,7 +164,7 @@ class Trainer:
                 and cfg.schedule.name != "auto"):   # auto plans again, from this run's measurements
             # the checkpoint's measured bounds and schedule costs: the resumed run computes as the first did
             partition, costs = point.bounds, point.costs
-        sample = self.feed.sample() if partition == "profile" else None   # the profile times the first microbatch
+        sample, sizes = (self.feed.sample(), self.feed.sizes()) if partition == "profile" else (None, None)
         cap = cfg.schedule.memory_cap
         return PipelineEngine(
             model.layers, model.loss_fn, cfg.optimizer.build, topology=self.topo, schedule=cfg.schedule.name,
@@ -173,7 +173,7 @@ class Trainer:
             grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
             on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
             boundary_dtype=cfg.precision.boundary, costs=costs, memory_cap=cap * 2**30 if cap else None,
-            shard_optimizer=cfg.parallel.zero == 1, link_gbps=cfg.schedule.link_gbps)
+            shard_optimizer=cfg.parallel.zero == 1, link_gbps=cfg.schedule.link_gbps, microbatch_sizes=sizes)
 
     def _open_logs(self) -> None:
         cfg, topo = self.cfg, self.topo

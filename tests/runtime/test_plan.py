@@ -103,3 +103,17 @@ def test_profile_partition_measures_in_parallel_and_every_rank_agrees(world2: Wo
     assert all("needs sample=(inputs, target)" in r for r in results[0][2:4])
     assert "fits the memory cap of 0.00 GiB" in results[0][4] and results[0][4] == results[1][4]
     assert results[0][5] == results[1][5] and results[0][5].startswith("profiling layers 0..2 on rank 0 failed")
+
+
+def test_the_predicted_step_follows_the_microbatches_sizes() -> None:
+    """Microbatches of their own lengths: the predicted step simulates each one at its size (sizes relative to the
+    profiled one); a list of another length is not taken for them."""
+    from pipeengine.runtime.measured import Choice
+    from pipeengine.runtime.plan import _relowered
+    from pipeengine.schedule import simulate
+    choice = Choice([0, 2, 4], [(0.01, 0.02, 0.0), (0.012, 0.02, 0.0)], 0.0, [0.0, 0.0], 1, comm=[0.001])
+    _, compiled, same = _relowered(choice, "1f1b", 2, 4, None, False)
+    _, _, sized = _relowered(choice, "1f1b", 2, 4, None, False, [1.0, 0.5, 0.5, 0.25])
+    assert sized.makespan == simulate(compiled, choice.costs(), sizes=[1.0, 0.5, 0.5, 0.25]).makespan
+    assert sized.makespan < same.makespan == simulate(compiled, choice.costs()).makespan
+    assert _relowered(choice, "1f1b", 2, 4, None, False, [1.0, 0.5])[2].makespan == same.makespan

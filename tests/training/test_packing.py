@@ -242,5 +242,7 @@ def test_a_torch_dataset_with_lengths_is_packed_by_the_feed() -> None:
     weight = mbs[0][1][1]
     assert float(weight) == pytest.approx(4 / real) and positions >= real   # 2 replicas x 2 microbatches
     assert sum(int((y != IGNORE).sum()) for _, (y, _) in mbs) < real        # this replica's share only
+    sizes = feed.sizes()   # replica 0's first microbatches, relative to the first (the profile's sample)
+    assert sizes is not None and len(sizes) == 2 and sizes[0] == 1.0 and sizes[1] <= 1.0   # ragged: widest first
     with pytest.raises(ValueError, match="a stream cannot be packed ahead"):
         Feed(iter(Seqs().seqs), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
