@@ -80,8 +80,8 @@ class Plan:
 
 
 def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule = "1f1b",
-              microbatches: int | Sequence[int] = 4,
-              chunks: int | None = None, partition: str | Sequence[int] = "parameters", costs: Costs | None = None,
+              microbatches: int | Sequence[int] = 4, chunks: int | None = None,
+              partition: str | Sequence[int] = "parameters", costs: Costs | None = None,
               sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, seed: int = 0,
               precision: str = "fp32", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
               device: torch.device | None = None, validate_schedule: bool = True,
@@ -104,13 +104,11 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         sample: one microbatch ``(inputs, target)`` for ``partition="profile"`` (every rank passes it).
         memory_cap: bytes per position the profile partition may plan for (None: no limit).
         seed, precision, loss_fn, device: as the engine builds and runs the layers (for profiling).
-        agree: more settings that must be equal on every rank (compared with the model, in the same
-            collective).
+        agree: more settings that must be equal on every rank (compared with the model, in one collective).
         links: with ``partition="profile"``, what a transfer between neighbours costs (links.py: stated, or a
             collective that measures them, called on every rank once they agree on the settings); the split,
             auto's choice and the predicted step count the transfers. None: free.
-        sizes: each microbatch's size relative to ``sample`` (microbatches of their own lengths: its computes and
-            transfers scale with it) for the predicted step; None, or a count other than ``microbatches``: one size.
+        sizes: each microbatch's size relative to ``sample`` (of their own lengths), for the predicted step.
     """
     auto = schedule == "auto" and pp > 1
     counts = _counts(microbatches, schedule)
@@ -140,8 +138,7 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
                  for c in set(counts)}
     params = tuple(len(list(m.parameters())) for m in sizing)
     return Plan(compiled, schedules[microbatches][1], bounds, len(layers), costs, choice, params, chosen,
-                tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches},
-                linked)
+                tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches}, linked)
 
 
 def _relowered(choice: Choice, schedule: str, pp: int, microbatches: int, chunks: int | None,
