@@ -50,6 +50,7 @@ class DatasetSource:
 
     def __init__(self, train: Any, val: Any = None) -> None:
         self.splits = {"train": train, "val": val}
+        self._lengths: dict[str, torch.Tensor] = {}
 
     def num_examples(self, split: str) -> int:
         ds = self.splits[split]
@@ -59,8 +60,10 @@ class DatasetSource:
         return _pair(self.splits[split][index], f"Model.{'data' if split == 'train' else 'val_data'}[{index}]")
 
     def lengths(self, split: str) -> torch.Tensor:
-        """Each example's tokens, from the dataset's own ``lengths()`` (a packing needs them)."""
-        return torch.as_tensor(self.splits[split].lengths())
+        """Each example's tokens, from the dataset's own ``lengths()`` (a packing needs them), read once."""
+        if split not in self._lengths:
+            self._lengths[split] = torch.as_tensor(self.splits[split].lengths())
+        return self._lengths[split]
 
 
 def _streamed(data: Any) -> bool:
@@ -139,10 +142,15 @@ class Feed:
         collated = default_collate([_pair(examples[i], "an example of Model.data") for i in mine])
         return split_microbatches(collated, self.batch.counts(self.dp)[self.replica])
 
+    def _shares(self, split: str, start: int) -> list[list[int]]:
+        """Each replica's example lengths in the global batch at data position ``start``."""
+        idx, lengths = step_indices(self.data, split, start, self.seed, self.batch.size), self.data.lengths(split)
+        return [lengths[replica_share(idx, self.batch, self.dp, r)].tolist() for r in range(self.dp)]
+
     def _built(self, examples: list[Any], split: str, start: int) -> list[tuple[Any, Any]]:
         """The replica's microbatches of its ``examples`` by the packing (the global batch at ``start``)."""
         counts = self.batch.counts(self.dp)
-        real = int(self.data.lengths(split)[step_indices(self.data, split, start, self.seed, self.batch.size)].sum())
+        real = sum(sum(share) for share in self._shares(split, start))
         built: list[tuple[Any, Any]] = self.packing.build(examples, counts[self.replica], sum(counts) / max(real, 1))
         return built
 
@@ -151,9 +159,7 @@ class Feed:
         over every replica (with a packing; else (0, 0))."""
         if self.packing is None:
             return 0, 0
-        idx = step_indices(self.data, "train", self.position(step), self.seed, self.batch.size)
-        lengths, counts = self.data.lengths("train"), self.batch.counts(self.dp)
-        shares = [lengths[replica_share(idx, self.batch, self.dp, r)].tolist() for r in range(self.dp)]
+        shares, counts = self._shares("train", self.position(step)), self.batch.counts(self.dp)
         return (sum(sum(s) for s in shares),
                 sum(self.packing.positions(s, counts[r]) for r, s in enumerate(shares)))
 
@@ -163,9 +169,7 @@ class Feed:
         predicted step follows the lengths); else None."""
         if self.packing is None:
             return None
-        idx = step_indices(self.data, "train", 0, self.seed, self.batch.size)
-        shapes = self.packing.shapes(self.data.lengths("train")[replica_share(idx, self.batch, self.dp, 0)].tolist(),
-                                     self.batch.counts(self.dp)[0])
+        shapes = self.packing.shapes(self._shares("train", 0)[0], self.batch.counts(self.dp)[0])
         return [rows * width / (shapes[0][0] * shapes[0][1]) for rows, width in shapes]
 
     def sample(self) -> tuple[Any, Any]:

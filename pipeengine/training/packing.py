@@ -101,12 +101,14 @@ class Packing:
 
     def _fill(self, examples: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: list[list[int]], width: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One microbatch's tokens, labels, positions and segments, [len(rows), width] each."""
+        """One microbatch's tokens, labels, positions and segments, [len(rows), width] each (positions and segments
+        filled for ``pack`` only: one sequence a row needs neither)."""
         shape = (len(rows), width)
         tokens = torch.full(shape, self.pad_id, dtype=torch.int64)
         labels = torch.full(shape, IGNORE, dtype=torch.int64)
         positions = torch.zeros(shape, dtype=torch.int64)
         segments = torch.full(shape, -1, dtype=torch.int64)
+        packed = self.mode == "pack"
         for r, row in enumerate(rows):
             start = 0
             for slot, i in enumerate(row):
@@ -114,8 +116,9 @@ class Packing:
                 end = start + len(x)
                 tokens[r, start:end] = x
                 labels[r, start:end] = y
-                positions[r, start:end] = torch.arange(len(x))
-                segments[r, start:end] = slot
+                if packed:
+                    positions[r, start:end] = torch.arange(len(x))
+                    segments[r, start:end] = slot
                 start = end
         return tokens, labels, positions, segments
 
