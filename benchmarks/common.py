@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import socket
 import sys
 import time
@@ -160,11 +161,7 @@ def excess_fits(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], tuple[
                       if f"{engine}_median_s" in r]
             if len({m for m, _ in points}) < 2:
                 continue
-            mean_m = sum(m for m, _ in points) / len(points)
-            mean_e = sum(e for _, e in points) / len(points)
-            slope = (sum((m - mean_m) * (e - mean_e) for m, e in points)
-                     / sum((m - mean_m) ** 2 for m, _ in points))
-            fits[(name, pp, engine)] = (slope, mean_e - slope * mean_m)
+            fits[(name, pp, engine)] = tuple(statistics.linear_regression(*zip(*points)))
     return fits
 
 

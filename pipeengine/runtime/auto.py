@@ -19,10 +19,11 @@ from typing import Sequence
 
 from ..schedule import Schedule, compile_schedule, simulate
 from ..schedule.builders import shortest_lowering, synthesis_caps
+from ..schedule.costs import boundary_comm
 from ..schedule.simulate import in_flight_peaks
 from ..schedule.synth import synthesise
 from .links import Links
-from .measured import Choice, LayerCost, position_sizes
+from .measured import Choice, LayerCost, position_sizes, with_transfers
 from .planner import PartitionError, choose_bounds
 
 __all__ = ["AutoChoice", "auto_schedule", "lower_bound", "fill_bound", "LIBRARY"]
@@ -91,8 +92,7 @@ def _hops(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule,
           comm: float | Sequence[float]) -> list[float]:
     """[s]: the transfer time between stage s and s + 1 (0 on one position); ``comm`` one for all or one each."""
     each = [comm] * (len(stage_costs) - 1) if isinstance(comm, (int, float)) else list(comm)
-    return [each[s] if schedule.placement(s)[0] != schedule.placement(s + 1)[0] else 0.0
-            for s in range(len(stage_costs) - 1)]
+    return boundary_comm(with_transfers(stage_costs, each), schedule)
 
 
 def lower_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule, microbatches: int,

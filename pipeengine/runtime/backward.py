@@ -175,16 +175,16 @@ def accumulators(params: Tensors) -> list[Node | None]:
 
 
 def weight_groups(graph: Graph, inputs: Tensors, params: Tensors,
-                  nodes: list[Node | None] | None = None) -> tuple[list[WeightGroup], list[torch.Tensor]]:
+                  nodes: list[Node | None]) -> tuple[list[WeightGroup], list[torch.Tensor]]:
     """Group ``params`` by the branch nodes where their gradients leave the input path; also return the
     parameters with a gradient that never crosses the input path (W must run from the roots for them).
-    ``nodes``: the parameters' :func:`accumulators` (found here when not given)."""
+    ``nodes``: the parameters' :func:`accumulators`."""
     consumers = graph.consumers
     on_path = _downstream([n for n in map(_grad_node, inputs) if n is not None], consumers)
     root_nodes = set(graph.roots)
     groups: dict[Node, WeightGroup] = {}
     elsewhere: list[torch.Tensor] = []
-    for p, start in zip(params, nodes if nodes is not None else accumulators(params)):
+    for p, start in zip(params, nodes):
         if start is None or start not in consumers:
             continue   # no gradient in this microbatch
         branch: set[Node] = set()

@@ -54,9 +54,11 @@ class Choice:
         return with_transfers(self.stage_costs, self.comm)
 
     def mean_costs(self) -> Costs:
-        """One stage's average F, B, W and transfer: what the schedule is lowered with."""
+        """One stage's average F, B, W and transfer (over the hops between positions, not the V's turn, which costs
+        nothing): what the schedule is lowered with."""
         n = len(self.stage_costs)
-        comm = sum(self.comm) / len(self.comm) if self.comm else 0.0
+        hops = [c for c in self.comm if c > 0]
+        comm = sum(hops) / len(hops) if hops else 0.0
         f, b, w = (sum(c[k] for c in self.stage_costs) / n for k in range(3))
         return Costs(f, b, w, comm)
 

@@ -171,9 +171,8 @@ class Stage:
         shared = len({id(p) for ps in per_layer for p in ps}) < sum(map(len, per_layer))
         self.segmented = segmented and per is None and len(layers) > 1 and not shared
         self._part_params = per_layer if self.segmented else [self.params]
-        self._accumulators: list[list[Any] | None] = [None] * len(self._part_params)
         self._recipes: list[dict[tuple[Any, ...], Recipe]] = [{} for _ in self._part_params]
-        self._marks: list[dict[Any, int]] = [{} for _ in self._part_params]   # AccumulateGrad node -> its parameter
+        self._marks: list[dict[Any, int] | None] = [None] * len(self._part_params)   # AccumulateGrad node -> param
         # this step's sums of (outputs or the loss, input gradients), one per tensor: non-finite iff one held a NaN/inf
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
@@ -309,10 +308,10 @@ class Stage:
         """Part ``k``'s custom functions, weight groups and the parameters W runs from its roots (under recompute:
         every one), as the part's graphs of this shape had them (:class:`Recipe`: the walks once per shape)."""
         params, recipes = self._part_params[k], self._recipes[k]
-        if self._accumulators[k] is None:
-            nodes = self._accumulators[k] = accumulators(params)
-            self._marks[k] = {n: i for i, n in enumerate(nodes) if n is not None}
-        order, key = shape_of(roots, self._marks[k])
+        marks = self._marks[k]
+        if marks is None:   # the AccumulateGrad nodes, held (as keys) so every graph uses these
+            marks = self._marks[k] = {n: i for i, n in enumerate(accumulators(params)) if n is not None}
+        order, key = shape_of(roots, marks)
         recipe = recipes.get(key)
         if recipe is not None:
             return (recipe.custom, *recipe.apply(order, params))
@@ -322,7 +321,7 @@ class Stage:
         if self.regions is not None:
             groups, rest = [], list(params)
         else:
-            groups, rest = weight_groups(graph, anchor, params, self._accumulators[k])
+            groups, rest = weight_groups(graph, anchor, params, accumulators(params))
         if len(recipes) >= 16:   # shapes come from a layer's control flow, not from sizes: a few; keep the recent
             del recipes[next(iter(recipes))]
         recipes[key] = Recipe.of(order, graph.custom, groups, rest, params)
