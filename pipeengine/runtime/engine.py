@@ -82,6 +82,8 @@ class PipelineEngine:
         link_gbps: with ``partition="profile"``, every pipeline link's bandwidth in Gbit/s instead of measuring
             each neighbour link at start ([Note: links in the plan] in links.py); ``microbatch_sizes``: each
             microbatch's size relative to ``sample`` (shapes of their own), for the predicted step.
+        memory_budget: bytes per rank (twin.py's parts): schedule shape, recompute per stage and split
+            chosen to fit it ([Note: memory budget], budget.py); ``facts``: the twin's facts of the run (plan.py).
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -95,7 +97,8 @@ class PipelineEngine:
                  bucket_mb: float = 25.0, seed: int = 0, recompute: str = "none", precision: str = "fp32",
                  wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
                  shard_optimizer: bool = False, boundary_dtype: str = "fp32", link_gbps: float | None = None,
-                 microbatch_sizes: Sequence[float] | None = None) -> None:
+                 microbatch_sizes: Sequence[float] | None = None, memory_budget: float | None = None,
+                 facts: Mapping[str, Any] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -103,12 +106,10 @@ class PipelineEngine:
                                grad_clip, seed, boundary_dtype)
         self._place(topology, device, plan, len(layers), precision)
         self.precision, self.on_nonfinite, self.grad_clip = precision, on_nonfinite, grad_clip
-        self.watch = watch()
-        self._fixed_timeout = timeout
+        self.watch, self._fixed_timeout = watch(), timeout
         self.watch.timeout = timeout or STARTUP_TIMEOUT
-        if isinstance(schedule, Schedule) and isinstance(microbatches, int):   # a compiled schedule says its own
-            microbatches = schedule.microbatches
-        counts = replica_counts(microbatches, self.topology.dp)
+        given = isinstance(schedule, Schedule) and isinstance(microbatches, int)   # a compiled schedule says its own
+        counts = replica_counts(schedule.microbatches if given else microbatches, self.topology.dp)   # type: ignore
         self.plan = plan or make_plan(
             layers, self.topology.pp, schedule=schedule, microbatches=counts, chunks=chunks,
             partition=partition, costs=costs, sample=sample, memory_cap=memory_cap, seed=seed, precision=precision,
@@ -117,8 +118,10 @@ class PipelineEngine:
                    "microbatches": counts, "chunks": chunks, "partition": partition, "precision": precision,
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
-                   "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps},
-            links=links_for(self.topology, self.device, link_gbps), sizes=microbatch_sizes)
+                   "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps,
+                   "memory_budget": memory_budget},
+            links=links_for(self.topology, self.device, link_gbps), sizes=microbatch_sizes,
+            memory_budget=memory_budget, facts=facts)
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
         self.microbatches = self.schedule.microbatches   # this replica's
         counts = list(self.plan.counts or [self.microbatches] * self.topology.dp)
@@ -140,9 +143,8 @@ class PipelineEngine:
         self.clock = ActionClock(self.rank, self.device, lambda event: self.watch.poll(event, "timing the step", []))
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self._step_times: list[float] = []
-        self._steps_run = 0       # steps run by this engine object (the first is start-up)
+        self._steps_run, self.closed = 0, False   # steps run by this engine object (the first is start-up)
         self._state = EngineState(self)
-        self.closed = False
         opened(self)
 
     # ------------------------------------------------------------------ setup
@@ -168,7 +170,8 @@ class PipelineEngine:
     def _build(self, specs: Sequence[LayerSpec], tied: Sequence[Sequence[tuple[int, str]]], seed: int,
                recompute: str) -> None:
         def make_stage(module: LayerChain, index: int) -> Stage:
-            return Stage(module, index, self.plan.num_stages, self.loss_fn, self.total_microbatches, recompute,
+            return Stage(module, index, self.plan.num_stages, self.loss_fn, self.total_microbatches,
+                         self.plan.recompute[index] if self.plan.recompute else recompute,
                          self.precision, segmented=self.plan.schedule.split_backward)
         self.local = LocalModel(self.plan, specs, self.topology, self.rank, tied, seed, self.device, make_stage)
         self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties

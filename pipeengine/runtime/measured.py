@@ -25,6 +25,9 @@ class LayerCost:
     noise: float = 0.0   # the spread of its timed runs: interquartile range / median of F + B + W
     kind: str = ""       # layers of one kind (same modules, parameters and input shapes) cost the same
     output_bytes: int = 0   # its output per microbatch: what crosses a link when a stage ends with it
+    # the engine's own cost around any layer, measured beside it on a layer that computes nothing (seconds of F, B,
+    # W and the fused backward): a stage of k layers pays it once, not k times (the twin, twin.py)
+    host: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     @property
     def total(self) -> float:
@@ -33,6 +36,11 @@ class LayerCost:
     def phases(self, split: bool) -> tuple[float, float, float]:
         """(f, b, w) as the simulator takes them: without a split, B runs b + w = the fused backward."""
         return (self.f, self.b, self.w) if split else (self.f, max(0.0, self.fused - self.w), self.w)
+
+    def host_phases(self, split: bool) -> tuple[float, float, float]:
+        """:meth:`phases` of the engine's own cost around the layer (``host``)."""
+        f, b, w, fused = self.host
+        return (f, b, w) if split else (f, max(0.0, fused - w), w)
 
 
 @dataclass

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Costs, Schedule, compile_schedule, simulate, validate
-from .agree import decided_by_rank0, settings_mismatch
+from .agree import decided_by_rank0, gathered, settings_mismatch
 from .layers import LayerSpec, fingerprint, model_mismatch, sizing_layers
 from . import planner
 from .auto import AutoChoice, auto_schedule
+from .budget import SHAPES, BudgetChoice, fit_budget
 from .links import Links
-from .measured import Choice
+from .measured import Choice, LayerCost
 from .profile import profile_shares
 
 __all__ = ["Plan", "make_plan", "replica_counts"]
@@ -50,6 +51,9 @@ class Plan:
     counts: tuple[int, ...] = ()
     others: Mapping[int, tuple[Schedule, Schedule]] = field(default_factory=dict, compare=False)
     links: Links | None = field(default=None, compare=False)   # what the planner took a transfer to cost
+    measured: tuple[LayerCost, ...] = field(default=(), compare=False)   # each layer's profile (partition "profile")
+    recompute: tuple[str, ...] = ()   # per stage, when a memory budget chose it (() : the engine's one for all)
+    budget: BudgetChoice | None = field(default=None, compare=False)   # what the memory budget chose, and why
 
     @property
     def num_stages(self) -> int:
@@ -86,7 +90,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
               precision: str = "fp32", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
               device: torch.device | None = None, validate_schedule: bool = True,
               agree: Mapping[str, Any] | None = None, links: Links | Callable[[], Links] | None = None,
-              sizes: Sequence[float] | None = None) -> Plan:
+              sizes: Sequence[float] | None = None, memory_budget: float | None = None,
+              facts: Mapping[str, Any] | None = None) -> Plan:
     """The plan every rank uses (collective; see the module docstring).
 
     Args:
@@ -109,6 +114,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
             collective that measures them, called on every rank once they agree on the settings); the split,
             auto's choice and the predicted step count the transfers. None: free.
         sizes: each microbatch's size relative to ``sample`` (of their own lengths), for the predicted step.
+        memory_budget, facts: bytes per rank, and what the twin takes of the run beyond the plan; see
+            :func:`_budget_plan`.
     """
     auto = schedule == "auto" and pp > 1
     counts = _counts(microbatches, schedule)
@@ -116,14 +123,9 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     compiled = _compiled(schedule, pp, microbatches, chunks, costs, validate_schedule, partition, uneven)
     sizing = sizing_layers(layers)
     _check_same_everywhere(seed, sizing, dict(agree or {}))
-    measured, linked = [], None
-    if partition == "profile" and compiled.num_stages > 1:
-        if loss_fn is None:
-            raise ValueError("partition='profile' times the loss too: pass loss_fn")
-        if pp > 1:
-            linked = links() if callable(links) else links
-        measured = profile_shares(layers, seed, sample, loss_fn, device or torch.device("cpu"), precision,
-                                  compiled.split_backward)
+    measured, linked = _measured(layers, pp, partition, seed, sample, loss_fn, device, precision, compiled, links)
+    if memory_budget is not None:
+        return _budget_plan(len(layers), sizing, measured, schedule, pp, counts, memory_budget, linked, sizes, facts)
     decided = decided_by_rank0(lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap, linked))
     choice = decided if isinstance(decided, Choice) else None
     chosen = decided if isinstance(decided, AutoChoice) else None
@@ -138,7 +140,49 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
                  for c in set(counts)}
     params = tuple(len(list(m.parameters())) for m in sizing)
     return Plan(compiled, schedules[microbatches][1], bounds, len(layers), costs, choice, params, chosen,
-                tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches}, linked)
+                tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches}, linked,
+                tuple(measured))
+
+
+def _measured(layers: Sequence[LayerSpec], pp: int, partition: str | Sequence[int], seed: int,
+              sample: tuple[Any, Any] | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+              device: torch.device | None, precision: str, compiled: Schedule,
+              links: Links | Callable[[], Links] | None) -> tuple[list[LayerCost], Links | None]:
+    """With the profile partition: every layer's measured costs (at pp 1 too: the twin predicts the run from them,
+    twin.py) and the links (measured first, when there are any); else nothing."""
+    if partition != "profile":
+        return [], None
+    if loss_fn is None:
+        raise ValueError("partition='profile' times the loss too: pass loss_fn")
+    linked = (links() if callable(links) else links) if pp > 1 else None
+    return profile_shares(layers, seed, sample, loss_fn, device or torch.device("cpu"), precision,
+                          compiled.split_backward), linked
+
+
+def _budget_plan(num_layers: int, sizing: Sequence[Any], measured: Sequence[LayerCost], schedule: str | Schedule,
+                 pp: int, counts: Sequence[int], budget: float, links: Links | None, sizes: Sequence[float] | None,
+                 facts: Mapping[str, Any] | None) -> Plan:
+    """The plan a memory budget of ``budget`` bytes per rank chose (the twin's parts, twin.py): the schedule's shape
+    (with "auto"; else the one named), recompute per stage and the split, together ([Note: memory budget],
+    budget.py; needs the profile), decided by rank 0. ``facts``: what the twin takes of the run beyond the plan
+    (dp, optimizer_states, zero, input_bytes, host...); ``runtime`` may be a function every rank calls now, after
+    the profile: what its process holds beyond the model (the fullest one's is counted)."""
+    if not measured:
+        raise ValueError("a memory budget plans from measured layer costs: use partition='profile'")
+    if len(set(counts)) > 1:
+        raise ValueError(f"a memory budget plans one microbatch count for every replica (got {sorted(set(counts))}): "
+                         f"make the global batch a multiple of dp x the microbatch size, or give no budget")
+    kinds = SHAPES if schedule == "auto" else (schedule.name if isinstance(schedule, Schedule) else schedule,)
+    given = dict(facts or {})
+    if callable(given.get("runtime")):   # what each process holds beyond the model now: the fullest one's
+        given["runtime"] = max(gathered(given["runtime"](), None))
+    chosen = decided_by_rank0(lambda: fit_budget(measured, pp, counts[0], budget, schedules=kinds, links=links,
+                                                 sizes=sizes, **given))
+    sched = chosen.schedule
+    evaluation = compile_schedule("forward", pp, counts[0], sched.chunks, placement=sched.placement_kind)
+    return Plan(sched, evaluation, tuple(chosen.bounds), num_layers, None, None,
+                tuple(len(list(m.parameters())) for m in sizing), links=links, measured=tuple(measured),
+                recompute=tuple(chosen.recompute), budget=chosen)
 
 
 def _relowered(choice: Choice, schedule: str, pp: int, microbatches: int, chunks: int | None,

@@ -148,6 +148,26 @@ def shared_costs(costs: Sequence[LayerCost]) -> tuple[list[LayerCost], list[str]
     return out, lines
 
 
+class _Nothing(nn.Module):
+    """A layer that computes (almost) nothing: one scalar weight times a one-element input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _host_cost(device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor], precision: str,
+               split: bool | None) -> tuple[float, float, float, float]:
+    """The engine's own seconds of F, B, W and the fused backward around a layer, timed on one that computes
+    nothing (a middle stage)."""
+    timer = _LayerTimer(_Nothing().to(device), 1, 3, loss_fn, None, device, precision)
+    f, b, w, fused, _ = _measure(timer, torch.ones(1, device=device), split, 5, 0.0, 5)
+    return f, b, w, fused
+
+
 def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
                    loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
                    precision: str = "fp32", split: bool | None = None, repeats: int = 3,
@@ -164,6 +184,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
     statistics move, and leaves gradients behind).
     """
     costs: list[LayerCost] = []
+    host = _host_cost(device, loss_fn, precision, split)
     for i, layer in enumerate(layers):
         timer = _LayerTimer(layer, first + i, num_layers, loss_fn, target, device, precision)
         f, b, w, fused, spread = _measure(timer, x, split, repeats, min_time, max_repeats)
@@ -172,7 +193,8 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         out_bytes = sum(t.numel() * t.element_size() for t in flat(timer.out)) if timer.out is not None else 0
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
                                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                               noise=spread, kind=layer_kind(layer, x, timer.kind), output_bytes=out_bytes))
+                               noise=spread, kind=layer_kind(layer, x, timer.kind), output_bytes=out_bytes,
+                               host=host))
         x = timer.out
     return costs
 

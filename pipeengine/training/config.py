@@ -68,6 +68,11 @@ class Config:
                              f"use --partition profile (the default), not {sch.partition!r}")
         if sch.memory_cap is not None and sch.partition != "profile":
             raise ValueError("--memory-cap is planned for by --partition profile only; drop it or use profile")
+        if sch.memory_budget is not None and sch.partition != "profile":
+            raise ValueError("--memory-budget is planned for by --partition profile only; drop it or use profile")
+        if sch.memory_budget is not None and self.recompute.policy != "none":
+            raise ValueError(f"--memory-budget chooses recompute per stage itself: drop --recompute "
+                             f"{self.recompute.policy}")
         if sch.link_gbps is not None and sch.partition != "profile":
             raise ValueError("--link-gbps is planned for by --partition profile only; drop it or use profile")
         if opt.min_lr > opt.lr:

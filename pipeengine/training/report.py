@@ -46,6 +46,15 @@ def oversubscribed(device: torch.device) -> str | None:
     return f"{procs} processes x {threads} threads on {cores} cores" if procs * threads > cores else None
 
 
+def _memory_beside(mem: dict[str, float], predicted: float | None) -> str:
+    """``726 MiB RSS (215 MiB above the baseline, predicted 230 MiB)``: the measured peak and the twin's."""
+    text = memory_text(mem)
+    above = mem.get("above_baseline")
+    parts = ([f"{above:,.0f} MiB above the baseline"] if above is not None else []) + (
+        [f"predicted {predicted:,.0f} MiB"] if predicted is not None else [])
+    return f"{text} ({', '.join(parts)})" if parts else text
+
+
 def _si(x: float) -> str:
     """``1.38 G`` for 1.38e9."""
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -88,7 +97,11 @@ def summary_text(s: dict[str, Any]) -> str:
                   "logging)")
         if s["oversubscribed"]:
             parts += f"\n           ({s['oversubscribed']}: the ranks take turns, waits include CPU contention)"
-    memory = "  ".join(f"{p}: {memory_text(m)}" for p, m in s["peak_memory_mib"].items()) or "n/a"
+    memory = "  ".join(f"{p}: {_memory_beside(m, s['predicted_peak_memory_mib'].get(p))}"
+                       for p, m in s["peak_memory_mib"].items()) or "n/a"
+    predicted, median = s.get("predicted_step_s"), s["median_step_s"]
+    predicted = (f", predicted {1e3 * predicted:.1f} ms ({100 * (predicted / median - 1):+.0f}%)"
+                 if predicted and median == median else "")   # (NaN: no step timed)
     g = s["global_batch"]
     name, ran = cfg["schedule"]["name"], s.get("schedule_run", cfg["schedule"]["name"])
     model = cfg["model"]["name"] + (f"/{cfg['model']['preset']}" if cfg["model"]["preset"] else "")
@@ -103,12 +116,13 @@ def summary_text(s: dict[str, Any]) -> str:
         + ("n/a (no validation data)" if s["val_loss"] is None else f"{s['val_loss']:.4f}"),
         f"throughput {s['steps_per_s']:.2f} steps/s  {s['samples_per_s']:,.1f} samples/s{tok}  (wall time of the "
         f"steps after warm-up,\n           data, evaluation, saves and logging included; median pipeline step "
-        f"{s['median_step_s'] * 1000:.1f} ms)",
+        f"{s['median_step_s'] * 1000:.1f} ms{predicted})",
         f"compute    {_compute_text(s)}",
         f"wall time  {s['elapsed_s']:.1f} s since the process started: start-up {s['startup_s'] or 0:.1f} s, "
         f"{len(s['losses'])} steps {s['steps_s']:.1f} s, final evaluation and summary "
         f"{max(0.0, s['elapsed_s'] - (s['startup_s'] or 0) - s['steps_s']):.1f} s",
-        f"memory     peak per position (the whole process: torch, data, buffers)  {memory}",
+        f"memory     peak per position (the whole process; above its baseline before the model was built, beside the "
+        f"twin's prediction)\n           {memory}",
         f"bubble     {bub}",
         f"step time  {parts}",
         *([f"world      {world_change_text(s['world_change'])}"] if s.get("world_change") else []),

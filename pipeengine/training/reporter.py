@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..runtime.clock import ActionRecord
 from ..runtime.engine import PipelineEngine, StepResult
 from ..runtime.topology import Topology
+from ..runtime.twin import Twin
 from .breakdown import PARTS, decompose, pipeline_bubble, simulated_bubble
 from .report import mean
 from .resources import peak_memory, process_age
@@ -95,7 +96,7 @@ class Reporter:
 
     def __init__(self, engine: PipelineEngine, topo: Topology, device: torch.device, run_dir: str, *,
                  global_batch: int, tokens_per_example: int | None, flops_per_example: float | None,
-                 peak_tflops: float | None, warm: int, writer: MetricsWriter) -> None:
+                 peak_tflops: float | None, warm: int, writer: MetricsWriter, twin: Twin | None = None) -> None:
         self.engine, self.topo, self.device, self.run_dir = engine, topo, device, run_dir
         self.global_batch, self.tokens = global_batch, tokens_per_example
         self.flops, self.peak = flops_per_example, peak_tflops
@@ -104,6 +105,9 @@ class Reporter:
         self.memory: dict[int, dict[str, float]] = {}   # position -> its peak memory (replica 0), MiB
         self.writer = writer
         self.startup_s: float | None = None   # the process's age when the first step began
+        self.twin = twin   # the prediction made before the first step (None: no layer profile)
+        if twin is not None:
+            writer.log_text("twin", "".join(f"    {line}\n" for line in twin.describe().splitlines()))
 
     # ------------------------------------------------------------------ figures
 
@@ -151,6 +155,9 @@ class Reporter:
                              measured_bubble=measured, theoretical_bubble=theory)
         self.writer.log_scalars(step, {f"memory/position{p}/{kind}_mib": v for p, mem in self.memory.items()
                                        for kind, v in mem.items()})
+        if self.twin is not None:   # beside the measured figures: the step's and each position's peak
+            self.writer.log_scalars(step, {"time/predicted_step_s": self.twin.step_s, **{
+                f"memory/position{p}/predicted_mib": m.total / 2**20 for p, m in enumerate(self.twin.memory)}})
         if timeline:
             self.writer.log_timeline(step, records)
         if trace:
@@ -186,4 +193,13 @@ class Reporter:
                 "measured_bubble": mean([t.measured_bubble for t in timed]),
                 "theoretical_bubble": mean([t.simulated_bubble for t in timed]),
                 "step_parts": self.times.shares(pipeline_parts) if timed else {},
-                "peak_memory_mib": {str(p): m for p, m in sorted(self.memory.items())}}
+                "peak_memory_mib": {str(p): m for p, m in sorted(self.memory.items())}, **self.predicted()}
+
+    def predicted(self) -> dict[str, Any]:
+        """The twin's figures for the summary: the step (seconds) and each position's peak (MiB) and its parts."""
+        twin = self.twin
+        if twin is None:
+            return {"predicted_step_s": None, "predicted_peak_memory_mib": {}}
+        return {"predicted_step_s": twin.step_s, "predicted_step_parts_s": twin.parts,
+                "predicted_peak_memory_mib": {str(p): m.total / 2**20 for p, m in enumerate(twin.memory)},
+                "predicted_memory_parts_mib": {str(p): m.mib() for p, m in enumerate(twin.memory)}}

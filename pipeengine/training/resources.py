@@ -11,7 +11,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.data import default_collate
 
-__all__ = ["peak_memory", "rank_memory", "memory_text", "flops_per_example", "peak_tflops", "PEAK_TFLOPS",
+__all__ = ["peak_memory", "set_baseline", "rank_memory", "memory_text", "flops_per_example", "peak_tflops",
+           "PEAK_TFLOPS",
            "process_age", "slow_bf16_hint"]
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (name fragment, bf16/fp16 tensor cores, fp32).
@@ -23,13 +24,22 @@ PEAK_TFLOPS: tuple[tuple[str, float | None, float], ...] = (
 )
 
 
+_BASELINE: list[float] = []   # the process's resident set (MiB) before its model was built (set_baseline)
+
+
+def set_baseline(nbytes: float) -> None:
+    """The resident set before the model is built: CPU peaks are also given above it (``above_baseline``)."""
+    _BASELINE[:] = [nbytes / 2**20]
+
+
 def peak_memory(device: torch.device) -> dict[str, float]:
-    """This process's peak memory in MiB: allocated and reserved by torch on CUDA, resident set (RSS) on CPU."""
+    """This process's peak memory in MiB: allocated and reserved by torch on CUDA, resident set (RSS) on CPU, and
+    above the baseline (:func:`set_baseline`) once it is known."""
     if device.type == "cuda":
         return {"allocated": torch.cuda.max_memory_allocated(device) / 2**20,
                 "reserved": torch.cuda.max_memory_reserved(device) / 2**20}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
-    return {"rss": peak / (2**20 if sys.platform == "darwin" else 2**10)}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    return {"rss": peak, **({"above_baseline": max(0.0, peak - _BASELINE[0])} if _BASELINE else {})}
 
 
 def rank_memory(device: torch.device) -> float:

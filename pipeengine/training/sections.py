@@ -118,6 +118,16 @@ class ScheduleConfig:
     memory_cap: float | None = setting(None, "with --partition profile: leave out splits whose estimated peak memory "
                                              "at a position (4 x its parameters + its activations in flight) exceeds "
                                              "this", check=finite(0, above=True, what="number of GiB"), metavar="GiB")
+    memory_budget: float | None = setting(None, "with --partition profile: the most memory a rank may take, the "
+                                                "process's own included (on CPU above its baseline before the model "
+                                                "is built, on CUDA the allocator's peak); the schedule (with "
+                                                "--schedule auto; else the one named), recompute per stage and the "
+                                                "split are "
+                                                "chosen together to fit it, by the twin's prediction",
+                                          check=finite(0, above=True, what="number of GiB"), metavar="GiB")
+    dry_run: bool = setting(False, "set up, profile and plan, print the twin's prediction (the step time and each "
+                                   "rank's peak memory by part, beside the schedule, split and recompute) and exit "
+                                   "before the first step; for a cluster not at hand: python -m pipeengine.plan")
     link_gbps: float | None = setting(None, "with --partition profile: the bandwidth of every link between pipeline "
                                             "neighbours, in Gbit/s (latency taken as 0), instead of measuring each "
                                             "link at start (round trips between each pair)",

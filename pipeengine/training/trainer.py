@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agree import decided_by_rank0, gathered, on_every_rank, same_settings
-from ..runtime.engine import PipelineEngine, StepResult
+from ..runtime.engine import StepResult
 from ..runtime.faults import EXPLAINED, PeerFailed, WaitTimeout, watch
 from ..runtime.hangs import flight_recorder_into
 from ..runtime.layers import sizing_layers
@@ -28,7 +28,7 @@ from ..runtime.numerics import NonFiniteError
 from ..runtime.topology import Topology
 from ..schedule.builders import schedule_bubble
 from .checkpoint import CheckpointError
-from .checks import partition_arg, writable_folder
+from .checks import writable_folder
 from .config import Config, to_toml
 from .console import link_rank_logs
 from .feed import Feed
@@ -37,9 +37,11 @@ from .elastic import ModelState, replan_pp
 from .install import install_problem
 from .models import Model, load_model
 from .report import oversubscribed, progress_line, summary_text, write_json
+from .prediction import build_engine, dry_run, resident_bytes, run_twin
 from .reporter import Reporter
-from .resources import flops_per_example, memory_text, peak_tflops, process_age, rank_memory, slow_bf16_hint
-from .resume import ResumePoint, pick_checkpoint, resume
+from .resources import (flops_per_example, memory_text, peak_tflops, process_age, rank_memory, set_baseline,
+                        slow_bf16_hint)
+from .resume import pick_checkpoint, resume
 from .saves import Saves
 from .savedir import check_shared
 from .stopping import StopRequest
@@ -73,6 +75,8 @@ class Trainer:
         set_level(cfg.logging.level)
         self.device, self.owned = init_distributed(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.baseline = resident_bytes()
+        set_baseline(self.baseline)   # before the model: measured memory is comparable with the twin's
 
     # ------------------------------------------------------------------ set-up
 
@@ -135,7 +139,7 @@ class Trainer:
             cfg.set_batch(point.batch)
         self.batch = self.feed.batch = cfg.batch
         w.doing = "set-up: building the engine"
-        self.engine = self._engine(point)
+        self.engine = build_engine(cfg, self.model, self.topo, self.feed, self.device, point, self.baseline)
         w.doing = "set-up: resuming" if point is not None else "set-up"
         start, examples, self.world_change = resume(cfg, self.engine, point)   # (at another size: world_change)
         w.started()
@@ -157,24 +161,6 @@ class Trainer:
                            zero=self.cfg.parallel.zero == 1)
         return replan_pp(world, pp, chunks, state, capacity)
 
-    def _engine(self, point: ResumePoint | None) -> PipelineEngine:
-        cfg, model = self.cfg, self.model
-        partition, costs = partition_arg(cfg.schedule.partition), None
-        if (point is not None and cfg.schedule.partition == "profile" and point.bounds is not None
-                and cfg.schedule.name != "auto"):   # auto plans again, from this run's measurements
-            # the checkpoint's measured bounds and schedule costs: the resumed run computes as the first did
-            partition, costs = point.bounds, point.costs
-        sample, sizes = (self.feed.sample(), self.feed.sizes()) if partition == "profile" else (None, None)
-        cap = cfg.schedule.memory_cap
-        return PipelineEngine(
-            model.layers, model.loss_fn, cfg.optimizer.build, topology=self.topo, schedule=cfg.schedule.name,
-            microbatches=self.batch.counts(self.topo.dp), chunks=cfg.schedule.chunks, seed=cfg.model.seed,
-            tied=[list(g) for g in model.tied], device=self.device, timeout=cfg.faults.timeout,
-            grad_clip=cfg.optimizer.grad_clip, recompute=cfg.recompute.policy, precision=cfg.precision.mode,
-            on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
-            boundary_dtype=cfg.precision.boundary, costs=costs, memory_cap=cap * 2**30 if cap else None,
-            shard_optimizer=cfg.parallel.zero == 1, link_gbps=cfg.schedule.link_gbps, microbatch_sizes=sizes)
-
     def _open_logs(self) -> None:
         cfg, topo = self.cfg, self.topo
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0)
@@ -184,15 +170,18 @@ class Trainer:
         flops = None
         if self.rank == 0 and self.model.packing is None:   # on the meta device (packed: its rows vary, not counted)
             flops = flops_per_example(self.model.layers, self.feed.first_input())
+        twin = run_twin(self.engine, recompute=cfg.recompute.policy, sample_inputs=self.feed.sample()[0],
+                        baseline=self.baseline, build=cfg.optimizer.build, sizes=self.feed.sizes())
         self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.batch.size,
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
-                                 warm=self.warm, writer=self.writer)
+                                 warm=self.warm, writer=self.writer, twin=twin)
         if self.rank == 0 and not cfg.logging.quiet:
             log.info(topo.describe())
             plan = self.engine.plan   # the links, the split with its predicted step, what auto chose
             for shown in (plan.links and plan.links.describe(), plan.auto and plan.auto.describe(),
-                          plan.choice and plan.choice.describe(plan.schedule.name)):
+                          plan.choice and plan.choice.describe(plan.schedule.name), plan.budget and
+                          plan.budget.describe(), twin and twin.describe()):
                 if shown:
                     log.info(shown)
             log.info(f"model {cfg.model.name}{'/' + cfg.model.preset if cfg.model.preset else ''}: "
@@ -281,6 +270,8 @@ class Trainer:
             raise self._exit(watch().exit_status) from None
         self._open_logs()
         cfg = self.cfg
+        if cfg.schedule.dry_run:   # the plan and the twin's prediction (printed above), no step taken
+            return dry_run(self)
         self.is_tty = sys.stdout.isatty() and not cfg.logging.quiet
         self.stop = StopRequest(lambda signum: setattr(self.engine, "stop_request", signum))
         self.saves = Saves(cfg, self.engine, self.rank, self._manifest)

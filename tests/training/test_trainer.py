@@ -38,12 +38,21 @@ def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
     assert s["wall_s_per_step"] >= s["median_step_s"] * 0.5 and s["data_s_per_step"] >= 0
     assert s["flops_per_sample"] > 0 and s["tflops_per_rank"] > 0 and s["mfu"] is None   # no peak on CPU
     assert set(s["peak_memory_mib"]) == {"0"} and s["peak_memory_mib"]["0"]["rss"] > 50
+    # the twin's prediction beside the measured figures: the step, and the peak above the process's baseline
+    memory, predicted = s["peak_memory_mib"]["0"], s["predicted_memory_parts_mib"]["0"]
+    assert 0 < memory["above_baseline"] < memory["rss"] and s["predicted_step_s"] > 0
+    assert list(predicted) == ["parameters", "gradients", "optimizer", "activations", "buffers"]
+    assert s["predicted_peak_memory_mib"]["0"] == pytest.approx(sum(predicted.values()))
+    assert predicted["optimizer"] == pytest.approx(2 * predicted["parameters"])   # AdamW: two states per parameter
+    assert f"predicted {1e3 * s['predicted_step_s']:.1f} ms" in out and "MiB above the baseline, predicted " in out
     assert "[####" not in out   # --quiet
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Images("pipeline/timeline")] == [2, 6]   # first step after warm-up, and the last
     assert acc.Scalars("time/position0/bubble")[-1].value == 0.0
+    assert acc.Scalars("time/predicted_step_s")[-1].value == pytest.approx(s["predicted_step_s"])
+    assert acc.Scalars("memory/position0/predicted_mib")[-1].value == pytest.approx(s["predicted_peak_memory_mib"]["0"])
     saved = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert saved["steps_done"] == 6 and saved["config"]["model"]["name"] == "mlp"
 
@@ -107,6 +116,12 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["--model", "resnet", "--data", "{tmp}/nofiles"], "error: --data '{tmp}/nofiles' is no ImageFolder root "
                                                        "(Couldn't find any class folder in {tmp}/nofiles); give a "
                                                        "folder with one sub-folder of images per class"),
+    (["--memory-budget", "0.001"], "error: --memory-budget 0.001 GiB: no plan fits the memory budget of 0.001 GiB "
+                                   "per rank: the least any schedule, recompute and split needs is "),
+    (["--memory-budget", "1", "--partition", "uniform"], "error: --memory-budget is planned for by --partition "
+                                                         "profile only; drop it or use profile"),
+    (["--memory-budget", "1", "--recompute", "full"], "error: --memory-budget chooses recompute per stage itself: "
+                                                      "drop --recompute full"),
     (["--config", "{tmp}/blob.bin"], "error: --config '{tmp}/blob.bin' is not valid TOML: "),
     (["--config", "{tmp}/mpi.toml"], "error: parallel.backend (in --config '{tmp}/mpi.toml') 'mpi' is not one of "
                                      "auto, gloo, nccl (--backend takes the same values)"),
@@ -347,3 +362,14 @@ def test_tokens_per_s_counts_real_tokens_with_the_padding_beside_it(
     acc.Reload()
     assert acc.Scalars("throughput/padding_fraction")[-1].value == pytest.approx(s["padding_fraction"], rel=1e-6)
     assert acc.Scalars("throughput/tokens_per_s")[-1].value == pytest.approx(s["tokens_per_s"], rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_dry_run_plans_predicts_and_takes_no_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = run(parse_args(["--model", "gpt", "--steps", "3", "--log-dir", str(tmp_path), "--run-name", "r", "--dry-run"]))
+    out = capsys.readouterr().out
+    assert s["dry_run"] and s["recompute"] == ["none"] and s["bounds"] == [0, 8] and s["predicted_step_s"] > 0
+    assert "twin: predicted step" in out and "position 0: predicted peak" in out and "dry run: planned" in out
+    assert "step 1/3" not in out and "=" * 72 not in out   # no step, no summary block
+    saved = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert saved["predicted_peak_memory_mib"] == s["predicted_peak_memory_mib"] and "losses" not in saved

@@ -1,0 +1,141 @@
+"""The twin (step time and memory per position, predicted) and the memory budget it plans to: arithmetic only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine.runtime.budget import HEADROOM, fit_budget
+from pipeengine.runtime.engine import PipelineEngine
+from pipeengine.runtime.measured import LayerCost
+from pipeengine.runtime.planner import PartitionError
+from pipeengine.runtime.twin import BACKWARD_SET, Host, awaiting_w, predict, stage_costs, stage_memory
+from pipeengine.schedule import Costs, compile_schedule, simulate
+
+MB = 2**20
+FREE = Host(per_step=0.0, per_post=0.0, post_bandwidth=float("inf"))
+
+
+def layers(n: int = 8, kept: int = 3 * MB, out: int = MB, params: int = 4 * MB, host: float = 0.0) -> list[LayerCost]:
+    """``n`` alike layers: 1 ms F, 2 ms fused backward (1 + 1 split), ``kept`` bytes saved beside their output."""
+    return [LayerCost(1e-3, 1e-3, 1e-3, 2e-3, kept + out, params, output_bytes=out, host=(host, host, host, 2 * host))
+            for _ in range(n)]
+
+
+def test_memory_by_hand_for_1f1b() -> None:
+    sched = compile_schedule("1f1b", 2, 4)
+    mem = stage_memory(layers(), [0, 4, 8], sched, optimizer_states=2, input_bytes=MB, runtime=[7 * MB, 5 * MB])
+    # 1F1B: position 0 holds pp = 2 microbatches at its peak, position 1 one; each keeps 4 x 3 MiB
+    for p, held in ((0, 2), (1, 1)):
+        m = mem[p]
+        assert (m.parameters, m.gradients, m.optimizer) == (16 * MB, 16 * MB, 32 * MB)
+        assert m.activations == held * 12 * MB + BACKWARD_SET * 3 * MB
+        assert m.buffers == 2 * MB * (held + 1) + (7 if p == 0 else 5) * MB   # wire buffers, then the process's own
+        assert m.total == sum(m.mib().values()) * MB
+
+
+def test_zero_shards_the_optimizer_state_only() -> None:
+    sched = compile_schedule("1f1b", 2, 4)
+    whole, sharded = (stage_memory(layers(), [0, 4, 8], sched, shards=k)[0] for k in (1, 4))
+    assert sharded.optimizer == whole.optimizer / 4
+    assert (sharded.parameters, sharded.gradients, sharded.activations) == (
+        whole.parameters, whole.gradients, whole.activations)
+
+
+def test_recompute_trades_activations_for_a_second_forward() -> None:
+    sched = compile_schedule("1f1b", 2, 4)
+    none, every2, full = (stage_memory(layers(), [0, 4, 8], sched, recompute=r, input_bytes=MB)[0]
+                          for r in (None, 2, 0))
+    # every:2 keeps two region inputs per microbatch, recomputes 2 layers at a time; full keeps one, recomputes 4
+    assert every2.activations == 2 * (2 * MB) + 2 * 3 * MB + BACKWARD_SET * 3 * MB
+    assert full.activations == 2 * MB + 4 * 3 * MB + BACKWARD_SET * 3 * MB
+    assert every2.activations < none.activations and full.activations < none.activations
+    plain, again = stage_costs(layers(), [0, 4, 8], sched), stage_costs(layers(), [0, 4, 8], sched, recompute=0)
+    assert [b - f for (f, b, _) in again] == pytest.approx([b for (_, b, _) in plain])   # B runs F again first
+    per = stage_costs(layers(), [0, 4, 8], sched, recompute=[None, 0])   # one per stage
+    assert per[0] == plain[0] and per[1] == again[1]
+
+
+def test_split_backward_keeps_output_gradients_until_w() -> None:
+    sched = compile_schedule("zb-h1", 2, 4)
+    waiting = awaiting_w(sched)
+    assert all(0 < waiting[s] for s in range(2))
+    split, fused = (stage_memory(layers(), [0, 4, 8], s)[0] for s in (sched, compile_schedule("1f1b", 2, 4)))
+    assert split.activations == fused.activations + waiting[0] * 4 * MB   # zb-h1 holds what 1F1B holds, + grads
+
+
+def test_the_engine_cost_around_a_layer_counts_once_per_stage() -> None:
+    sched = compile_schedule("1f1b", 1, 2)
+    timed = layers(4, host=0.2e-3)   # each layer's profile holds 0.2 ms of the engine's own cost per phase
+    (f, b, w), = stage_costs(timed, [0, 4], sched, host=FREE)
+    assert (f, b + w) == pytest.approx((4 * 1e-3 - 3 * 0.2e-3, 4 * 2e-3 - 3 * 0.4e-3))
+
+
+def test_posting_transfers_lengthens_the_actions_that_post_them() -> None:
+    sched = compile_schedule("1f1b", 2, 4)
+    host = Host(per_step=0.0, per_post=1e-3, post_bandwidth=MB / 1e-3)   # a post: 1 ms + 1 ms per MiB
+    free, posted = stage_costs(layers(), [0, 4, 8], sched, host=FREE), stage_costs(layers(), [0, 4, 8], sched, host=host)
+    assert all(p[0] > f[0] and p[1] > f[1] and p[2] == f[2] for p, f in zip(posted, free))
+
+
+def test_the_predicted_step_is_the_simulated_one_plus_the_end_of_the_step() -> None:
+    sched = compile_schedule("1f1b", 2, 4)
+    twin = predict(layers(), [0, 4, 8], sched, host=Host(per_step=5e-3, per_post=0.0, post_bandwidth=float("inf")),
+                   optimizer_states=2, optimizer_bandwidth=16 * MB / 1e-3)
+    assert twin.parts["compute"] == pytest.approx(simulate(sched, Costs(4e-3, 4e-3, 4e-3)).makespan)
+    assert twin.parts["host"] == 5e-3 and twin.parts["dp sync"] == 0
+    assert twin.parts["optimizer"] == pytest.approx(6 * 16 * MB / (16 * MB / 1e-3))   # params, grads, 2 states
+    assert twin.step_s == pytest.approx(sum(twin.parts.values()))
+    shared = predict(layers(), [0, 4, 8], sched, host=FREE, processes=4, cores=2)   # pp 2 x dp 2 on 2 cores
+    alone = predict(layers(), [0, 4, 8], sched, host=FREE)
+    assert shared.parts["compute"] >= 2 * sum(simulate(sched, Costs(4e-3, 4e-3, 4e-3)).busy) / 2 > alone.parts["compute"]
+    synced = predict(layers(), [0, 4, 8], sched, host=FREE, dp=4, dp_bandwidth=16 * MB / 1e-3)
+    assert synced.parts["dp sync"] == pytest.approx(2 * 3 / 4 * 1e-3)   # ring all-reduce of 16 MiB of gradients
+
+
+def test_a_budget_is_kept_and_a_smaller_one_costs_time() -> None:
+    costs = layers()
+    unconstrained = fit_budget(costs, 2, 8, 10**12, host=FREE)
+    assert all(r == "none" for r in unconstrained.recompute)
+    least = None
+    steps = []
+    for budget in [g * MB for g in (400, 200, 150, 120, 100, 90, 80, 70)]:
+        try:
+            chosen = fit_budget(costs, 2, 8, budget, host=FREE)
+        except PartitionError as exc:
+            least = str(exc)
+            break
+        assert max(m.total for m in chosen.twin.memory) <= budget * (1 - HEADROOM)
+        steps.append(chosen.twin.step_s)
+    assert steps == sorted(steps) and steps[-1] > steps[0]   # less memory, never a faster plan
+    assert least is not None and least.startswith("no plan fits the memory budget of") and "needs is" in least
+    needed = float(least.split("needs is ")[1].split(" GiB")[0]) * 2**30
+    assert fit_budget(costs, 2, 8, needed * 1.01, host=FREE) is not None   # the least it names does fit
+
+
+def test_the_engine_runs_the_recompute_a_budget_chose(one_process_group: None) -> None:
+    """One rank, six Linear+GELU layers, GPipe over four 2,048-row microbatches (about 4 MiB kept per layer each): a
+    budget that leaves room for half the activations makes the stage recompute, and the step's loss and weights
+    stay what they were."""
+    def model() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)]
+    data = [(torch.randn(2048, 256), torch.randn(2048, 256)) for _ in range(4)]
+    facts = {"host": FREE, "runtime": 0.0}
+
+    def engine(budget: float) -> PipelineEngine:
+        return PipelineEngine(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                              schedule="gpipe", microbatches=4, partition="profile", sample=data[0],
+                              memory_budget=budget, facts=facts)
+    free = engine(1e12)
+    assert free.plan.recompute == ("none",) and free.plan.budget is not None
+    peak = free.plan.budget.twin.memory[0]
+    tight = engine((peak.total - peak.activations / 2) / (1 - HEADROOM))
+    assert tight.plan.recompute != ("none",) and tight.stages[0].regions is not None
+    assert tight.plan.budget is not None and tight.plan.budget.twin.memory[0].total <= peak.total - peak.activations / 2
+    losses = [e.train_batch(iter(data)).loss for e in (free, tight)]
+    assert losses[0] == losses[1]
+    assert all(torch.equal(a, b) for a, b in zip(free.parameters, tight.parameters))
+    for e in (free, tight):
+        e.close()
