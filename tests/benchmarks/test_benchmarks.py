@@ -174,3 +174,15 @@ def test_real_models_smoke(scripts: Any) -> None:
     assert row["bounds"]["ours uniform 1f1b"] == [0, 5, 10] and len(row["bounds"]["ours profile 1f1b"]) == 3
     assert row["predicted_s"] > 0 and len(row["halves_at_once_s"]) == 2
     assert "| mlp/tiny | 2 x 1 | ours profile 1f1b |" in proc.stderr
+
+
+def test_dryrun_times_the_plan_command() -> None:
+    """benchmarks.dryrun: one ``python -m pipeengine.plan`` timed, its projection read back; a refusal's row."""
+    from benchmarks.dryrun import run, table
+    fits = run("small", 8)
+    assert fits["returncode"] == 0 and fits["plan"]["chosen"]["pp"] * fits["plan"]["chosen"]["dp"] == 8
+    refused = {"preset": "70b", "gpus": 8, "wall_s": 3.0, "returncode": 2, "plan": None,
+               "error": "plan: nothing fits: the least any candidate needs is 152.7 GiB per GPU (...); try ..."}
+    rows = table([fits, refused]).splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| small | 8 | ") and "nothing fits (exit 2)" in rows[3]
+    assert "152.7 GiB per GPU" in rows[3]
