@@ -6,7 +6,8 @@
 Run from the repository root. Each configuration is one ``python -m pipeengine.plan --json`` process (its start,
 torch's import, the meta-device layers and the search: what the user waits for); *search* is the search alone (the
 projection's own ``seconds``). A model that fits nowhere on the world exits with status 2, one line: timed the same.
-The table goes to benchmarks/README.md (block ``dryrun``).
+The table goes to benchmarks/README.md (block ``dryrun``); *batch* is the chosen plan's global batch in sequences
+(the default, about 4M tokens, rounded to its dp).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _row(r: dict[str, Any]) -> str:
                 f"{r['error'].split(': ', 2)[-1].split(';')[0]} | | | |")
     p, c = r["plan"], r["plan"]["chosen"]
     return (f"| {r['preset']} | {r['gpus']:,} | {r['wall_s']:.1f} | {p['seconds']:.1f} | pp {c['pp']} x dp {c['dp']}, "
-            f"{c['schedule']}, recompute {c['recompute']}, m {c['microbatches']} | {c['step_s']:.2f} | "
+            f"{c['schedule']}, recompute {c['recompute']}, m {c['microbatches']}, batch {c['global_batch']} | "
+            f"{c['step_s']:.2f} | "
             f"{100 * c['bubble']:.0f}% | {c['tokens_per_s']:,.0f} |")
 
 

@@ -28,6 +28,7 @@ class LayerCost:
     # the engine's own cost around any layer, measured beside it on a layer that computes nothing (seconds of F, B,
     # W and the fused backward): a stage of k layers pays it once, not k times (the twin, twin.py)
     host: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    held_for_w: int = 0   # bytes a split backward's B keeps until W (gradients for the weights), when timed split
 
     @property
     def total(self) -> float:

@@ -45,6 +45,7 @@ class _LayerTimer:
         self.params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         self.saved: dict[int, int] = {}   # storage -> bytes kept for backward by the last forward
         self.out: Any = None               # the output of the last forward
+        self.held_for_w = 0                # bytes a split backward's B kept for W (the last split run)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -67,9 +68,19 @@ class _LayerTimer:
         synchronize(self.device)
         t2 = time.perf_counter()
         if split_backward:
+            self.held_for_w = _held_for_w(self.stage)
             self.stage.backward_weight(0)
             synchronize(self.device)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def _held_for_w(stage: Stage) -> int:
+    """Bytes B kept for W on microbatch 0 of ``stage`` (the gradients at the branch nodes, or at the roots)."""
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for part in stage.saved.get(0, []) for t in (
+                *(g for group in part.groups for grads in group.grads.values() for g in grads if g is not None),
+                *(g for g in part.grads if isinstance(g, torch.Tensor)))}
+    return sum(kept.values())
 
 
 STABLE = 0.05   # the median is stable when the last runs move it by no more than this (relative)
@@ -194,7 +205,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
                                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                                noise=spread, kind=layer_kind(layer, x, timer.kind), output_bytes=out_bytes,
-                               host=host))
+                               host=host, held_for_w=timer.held_for_w))
         x = timer.out
     return costs
 

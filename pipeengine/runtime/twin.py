@@ -6,20 +6,22 @@ keeps and its parameter and output bytes), the links, the schedule, the recomput
 the host, :func:`predict` gives
 
 * **memory per position**, in five parts: parameters; gradients (one per trainable parameter byte);
-  optimizer state (``optimizer_states`` per parameter byte, over dp under ZeRO-1); activations (per stage:
-  the microbatches it holds at its peak, ``stage_peaks``, times what one keeps: its layers' saved bytes, or
-  under recompute only each region's input; plus, while one microbatch is in B, its working set,
-  :data:`BACKWARD_SET` times the largest layer's saved bytes, and under recompute the region recomputed; a
-  microbatch between its B and its W also keeps its layers' output gradients); buffers (the wire's: the
-  largest boundary tensor and its gradient per microbatch in flight, and ``runtime``: what the process
-  holds beyond the model, measured before the first step);
+  optimizer state (``optimizer_states`` per parameter byte, over dp under ZeRO-1); activations held between
+  F and B (per stage: the microbatches it holds at its peak, ``stage_peaks``, times what one keeps: its
+  layers' saved bytes, or under recompute only each region's input; a microbatch between its B and its W
+  also keeps the gradients W starts from, as the profile measured them); buffers (scratch: backward's
+  working set while one microbatch is in B, :data:`BACKWARD_SET` times the largest layer's saved bytes, and
+  under recompute the region recomputed; the wire's: the largest boundary tensor and its gradient per
+  microbatch in flight; and ``runtime``: what the process holds beyond the model, measured before the first
+  step);
 * **the step time**: the simulated step of the lowered schedule with each stage's own costs and transfers,
   where a stage's F, B and W are its layers' measured phases with the engine's own cost counted once (the
-  profile timed it around every layer), plus posting the position's transfers (:class:`Host`), and under
-  recompute B runs F again; stretched when the node's processes want more cores than it has (no faster than
-  the node's work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce
-  over dp (ring: ``2 (dp - 1) / dp`` of the gradient bytes over the link) and the optimizer's pass over its
-  parameters, gradients and state (bytes over ``optimizer_bandwidth``, timed at start).
+  profile timed it around every layer; a split backward runs a stage a layer at a time, so there it stays),
+  plus posting the position's transfers (:class:`Host`), and under recompute B runs F again; stretched when
+  the node's processes want more cores than it has (no faster than the node's work over its cores); plus the
+  end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2 (dp - 1) / dp`` of the
+  gradient bytes over the link) and the optimizer's pass over its parameters, gradients and state (bytes
+  over ``optimizer_bandwidth``, timed at start).
 
 The prediction is a model, not a measurement: the summary shows the measured figures beside it
 (``predicted_step_s`` / ``median_step_s``, ``predicted_peak_memory_mib`` / ``peak_memory_mib``).
@@ -152,13 +154,15 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
             layers = costs[bounds[s]:bounds[s + 1]]
             into = input_bytes if s == 0 else float(costs[bounds[s] - 1].output_bytes)
             keep, extra = microbatch_activations(layers, regions[s], into)
-            acts += peaks[s] * keep + waiting[s] * sum(float(c.output_bytes) for c in layers)
+            acts += peaks[s] * keep + waiting[s] * sum(float(c.held_for_w or c.output_bytes) for c in layers)
             # B's working set beside the kept activations: a gradient per saved tensor of the layer it is in
             transient = max(transient, extra + BACKWARD_SET * max(_kept(c) for c in layers))
             boundary = max(boundary, into, float(layers[-1].output_bytes))
+        # the optimizer's step, once the activations are gone, makes temporaries of about a layer's parameters
+        transient = max(transient, *(float(c.param_bytes) for s in stages for c in costs[bounds[s]:bounds[s + 1]]))
         held = max((peaks[s] for s in stages), default=0)
-        out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts + transient,
-                               2 * boundary * (held + 1) + beyond[p]))
+        out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts,
+                               transient + 2 * boundary * (held + 1) + beyond[p]))
     return out
 
 
@@ -190,8 +194,11 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
     out = []
     for s in range(schedule.num_stages):
         layers = costs[bounds[s]:bounds[s + 1]]
-        phases = [sum(c.phases(split)[k] - c.host_phases(split)[k] for c in layers)
-                  + max(c.host_phases(split)[k] for c in layers) for k in range(3)]
+        # the engine's own cost: once per stage, but once per layer where a split backward runs the stage a layer
+        # at a time ([Note: segments] in stage.py; not under recompute)
+        once = not split or regions[s] is not None
+        phases = [sum(c.phases(split)[k] - once * c.host_phases(split)[k] for c in layers)
+                  + once * max(c.host_phases(split)[k] for c in layers) for k in range(3)]
         p = schedule.placement(s)[0]
         actions = sum(1 for a in schedule.compute_actions(p) if a.kind is not Kind.W)
         post = _posts(schedule, p, costs, bounds, host) / max(1, actions)

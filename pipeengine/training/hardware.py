@@ -4,7 +4,10 @@ Torch-free data and rank arithmetic. A :class:`Gpu` is what the projection needs
 bf16 TFLOP/s, its memory, its memory bandwidth (the optimizer's pass over its state), the bandwidth to another GPU
 of its node (NVLink, or PCIe where there is none) and to a GPU of another node (the network, per GPU).
 
-Numbers from the vendors' data sheets (dense, i.e. without the 2:4 sparsity figure; the SXM parts); the NVLink
+Numbers from the vendors' data sheets (dense, i.e. without the 2:4 sparsity figure; the SXM parts). The peak
+TFLOP/s are the trainer's: ``training/resources.py`` ``PEAK_TFLOPS`` (its bf16 column) is the one table of GPU
+peaks; it is not imported here because that module imports torch and ``--help``/``--list-gpus`` stay torch-free,
+so tests/training/test_projection.py checks that every preset's figure is that table's. The NVLink
 figure is the data sheet's total over both directions halved (what one transfer gets one way; also the
 bus bandwidth a ring all-reduce reaches at best). The inter-node figure is not a property of the GPU but of the
 cluster: the presets take a DGX/HGX-style node, one NIC per GPU (ConnectX-7 at 400 Gbit/s for H100/H200,
@@ -22,9 +25,15 @@ from dataclasses import dataclass
 
 from ..runtime.links import Links
 
-__all__ = ["Gpu", "GPUS", "World", "gpu_preset", "FIGURES"]
+__all__ = ["Gpu", "GPUS", "World", "gpu_preset", "FIGURES", "RANGES", "GIB"]
 
+GIB = 2**30
 FIGURES = ("tflops", "memory_gib", "memory_gbs", "intra_gbs", "inter_gbs")   # a Gpu's figures, in order
+# What a figure may be (inclusive): wide around today's parts, narrow enough that the projection stays finite and
+# meaningful (1e300 TFLOP/s or 1e-300 GB/s would print infinite or 300-digit steps)
+RANGES: dict[str, tuple[float, float, str]] = {
+    "tflops": (1.0, 1e5, "TFLOP/s"), "memory_gib": (1.0, 1e5, "GiB"), "memory_gbs": (10.0, 1e6, "GB/s"),
+    "intra_gbs": (0.1, 1e5, "GB/s"), "inter_gbs": (0.1, 1e5, "GB/s")}
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class Gpu:
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gib * 2**30
+        return self.memory_gib * GIB
 
     def describe(self) -> str:
         return (f"{self.name}: {self.tflops:g} TFLOP/s dense bf16, {self.memory_gib:g} GiB at {self.memory_gbs:g} "
@@ -71,8 +80,9 @@ def gpu_preset(name: str, **overrides: float | None) -> Gpu:
     for k, v in given.items():
         if k not in FIGURES:
             raise ValueError(f"no figure {k!r}; the figures are {', '.join(FIGURES)}")
-        if not 0 < v < float("inf"):
-            raise ValueError(f"--{k.replace('_', '-')} must be a finite number > 0 (got {v:g})")
+        low, high, unit = RANGES[k]
+        if not low <= v <= high:   # NaN too
+            raise ValueError(f"--{k.replace('_', '-')} {v:g} is outside {low:,g} to {high:,g} {unit}")
     base = GPUS[key]
 
     def figure(k: str) -> float:

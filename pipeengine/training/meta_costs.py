@@ -181,7 +181,9 @@ def _quiet_rng() -> Iterator[None]:
 def gpt_work(cfg: Any, micro_batch: int) -> list[LayerWork]:
     """Per layer of the built-in GPT ([embedding, block x n_layer, head with the loss]) its work on a microbatch of
     ``micro_batch`` sequences of the context length; one block measured for all. The head's weight is tied to the
-    embedding's: each holds it where they sit on different positions (projection.py counts one where they share)."""
+    embedding's and both layers count it in ``param_bytes``: the engine keeps one copy per entry of a tie, also when
+    both sit on one position (runtime/ties.py, [Note: tied copies are summed in tie order]), so memory counts both
+    copies wherever they sit; ``tied_bytes`` marks the head's copy, left out only of the parameter count."""
     gpt = importlib.import_module("pipeengine.models.gpt")
     makers, loss_fn = gpt.layer_factories(cfg), gpt.loss_fn
     tokens = torch.empty(micro_batch, cfg.block_size, dtype=torch.long, device="meta")

@@ -70,9 +70,11 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> float:
 def optimizer_bandwidth(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
                         states: float, elements: int) -> float:
     """Bytes per second the end of a step passes over (parameters, gradients and optimizer state): the optimizer's
-    step, the gradients' norm and zeroing, timed on one parameter of ``elements`` floats (the rank's own, so that
-    caches count as they will, at most 2**24; median of 5, after one warm-up)."""
-    elements = max(1024, min(elements, 2**24))
+    step, the gradients' norm and zeroing, timed on one parameter of a quarter of ``elements`` floats (the rank's
+    own: caches count about as they will; a quarter: the probe's parameter, gradient and state stay below the
+    optimizer state the run will hold, so it never sets the process's peak), at most 2**22; median of 5, after
+    one warm-up."""
+    elements = max(1024, min(elements // 4, 2**22))
     p = torch.nn.Parameter(torch.zeros(elements, device=device))
     p.grad = torch.full_like(p, 1e-3)
     opt = build([p])

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.twin import PARTS
-from .hardware import World
-from .projection import Candidate, Projection, Settings
+from ..runtime.twin import BACKWARD_SET, PARTS
+from .hardware import GIB, World
+from .projection import Candidate, Projection, Settings, plural
 
-__all__ = ["describe", "as_json", "ASSUMPTIONS"]
+__all__ = ["describe", "as_json", "ASSUMPTIONS", "RUNNER_UPS"]
 
-GIB = 2**30
+RUNNER_UPS = 4       # the runner-ups shown (of the candidates simulated)
 ASSUMPTIONS = ("every layer's kernels at --mfu of the GPU's dense bf16 peak (FLOPs counted on the meta device); bf16 "
-               "autocast with fp32 parameters, gradients and AdamW state; no tensor or sequence parallelism; the "
-               "split by layer FLOPs, not the planner's measured search; transfers at the links' bandwidth with no "
-               "latency; the gradient all-reduce (ring) after the backward, not overlapped; the CUDA context, "
-               "NCCL's buffers and fragmentation left to the reserve")
+               "autocast with fp32 parameters, gradients and AdamW state; the tied embedding and head weight held "
+               "twice, one copy per end, also on one rank, as the engine holds it (runtime/ties.py); no tensor or "
+               "sequence parallelism; the split by layer FLOPs, not the planner's measured search; backward's "
+               f"working set {BACKWARD_SET:g}x the largest layer's kept activations, a factor fitted on CPU "
+               "(runtime/twin.py BACKWARD_SET), not on a GPU; ranks placed position-major as the engine places "
+               "them (rank = position x dp + replica, --gpus-per-node consecutive ranks a node); transfers at the "
+               "links' bandwidth with no latency; the gradient all-reduce (ring) after the backward, not overlapped; "
+               "the CUDA context, NCCL's buffers and fragmentation left to the reserve")
 
 
 def _schedule(c: Candidate) -> str:
@@ -42,7 +46,7 @@ def _memory_lines(c: Candidate, usable: float, world: World) -> list[str]:
     parts = ", ".join(f"{k} {_gib(getattr(full, k))}" for k in PARTS)
     lines = [f"  memory per rank   {_gib(full.total)} GiB at its fullest (position {where}) of {_gib(usable)} GiB "
              f"usable ({world.gpu.memory_gib:g} GiB less the reserve)",
-             f"                    {parts} GiB (buffers: boundary tensors in flight and bf16 weight copies)"]
+             f"                    {parts} GiB (buffers: as runtime/twin.py counts them, plus the bf16 weight copies)"]
     if c.pp > 1:
         totals = [m.total for m in c.memory]
         lines.append(f"                    positions from {_gib(min(totals))} to {_gib(max(totals))} GiB")
@@ -53,26 +57,26 @@ def _runner_ups(p: Projection, count: int) -> list[str]:
     rows = p.ranked[1:count + 1]
     if not rows:
         return []
-    lines = ["", "  runner-ups        pp x dp    schedule           recompute   m      step s  bubble  tokens/s     "
-                 "peak GiB"]
+    lines = ["", "  runner-ups        pp x dp    schedule           recompute   m      batch   step s  bubble  "
+                 "tokens/s     peak GiB"]
     for c in rows:
         lines.append(f"                    {f'{c.pp} x {c.dp}':<10} {c.schedule if c.pp > 1 else 'none':<18} "
-                     f"{c.recompute_text:<11} {c.microbatches:<6} {c.step_s:<7.3f} {100 * c.bubble:5.1f}%  "
-                     f"{c.tokens_per_s:<12,.0f} {_gib(c.peak)}")
+                     f"{c.recompute_text:<11} {c.microbatches:<6} {c.global_batch:<7} {c.step_s:<7.3f} "
+                     f"{100 * c.bubble:5.1f}%  {c.tokens_per_s:<12,.0f} {_gib(c.peak)}")
     return lines
 
 
-def describe(p: Projection, model: str, world: World, settings: Settings, runner_ups: int = 4) -> str:
+def describe(p: Projection, model: str, world: World, settings: Settings, runner_ups: int = RUNNER_UPS) -> str:
     """The projection as the command line prints it."""
     c, gpu = p.best, world.gpu
-    tokens = settings.global_batch * settings.context
+    tokens = c.global_batch * settings.context
     parts = ", ".join(f"{k} {_seconds(v)}" for k, v in sorted(c.parts.items(), key=lambda kv: -kv[1]) if v)
     lines = [
         "projection (not measured): what the twin predicts for this run; measure before you trust it",
         f"  model             {model}, {_count(p.parameters)} parameters",
         f"  world             {world.size} x {gpu.describe()} ({world.nodes} node{'s' * (world.nodes > 1)} x "
         f"{world.gpus_per_node})",
-        f"  batch             {settings.global_batch:,} sequences of {settings.context:,} tokens a step "
+        f"  batch             {c.global_batch:,} sequences of {settings.context:,} tokens a step "
         f"({tokens:,} tokens), micro batch {settings.micro_batch}; kernels at {100 * settings.mfu:g}% of peak (--mfu)"
         + (", ZeRO-1" if settings.zero else ""),
         "",
@@ -87,7 +91,8 @@ def describe(p: Projection, model: str, world: World, settings: Settings, runner
         *_memory_lines(c, p.usable_bytes, world),
         *_runner_ups(p, runner_ups),
         "",
-        f"  searched          {p.scored} simulations in {p.seconds:.1f} s; {len(p.ranked)} candidates fit",
+        f"  searched          {plural(p.scored, 'simulation')} in {p.seconds:.1f} s; "
+        f"{plural(len(p.ranked), 'candidate')} {'fits' if len(p.ranked) == 1 else 'fit'}",
         *(f"  note              {n}" for n in p.notes),
         f"  assumes           {ASSUMPTIONS}",
     ]
@@ -96,21 +101,24 @@ def describe(p: Projection, model: str, world: World, settings: Settings, runner
 
 def _candidate(c: Candidate) -> dict[str, Any]:
     return {"pp": c.pp, "dp": c.dp, "schedule": c.schedule if c.pp > 1 else "none", "chunks": c.chunks,
-            "recompute": c.recompute_text, "microbatches": c.microbatches, "step_s": c.step_s,
+            "recompute": c.recompute_text, "microbatches": c.microbatches, "global_batch": c.global_batch,
+            "step_s": c.step_s,
             "step_parts_s": dict(c.parts), "bubble": c.bubble, "tokens_per_s": c.tokens_per_s,
             "tflops_per_gpu": c.tflops_per_gpu, "mfu": c.mfu, "peak_memory_gib": c.peak / GIB,
             "memory_gib": [{k: getattr(m, k) / GIB for k in PARTS} | {"total": m.total / GIB} for m in c.memory],
             "bounds": c.bounds, "simulated_microbatches": list(c.simulated)}
 
 
-def as_json(p: Projection, model: str, world: World, settings: Settings, runner_ups: int = 4) -> dict[str, Any]:
+def as_json(p: Projection, model: str, world: World, settings: Settings,
+            runner_ups: int = RUNNER_UPS) -> dict[str, Any]:
     """What ``--json`` writes: the same as the text, every position's memory included."""
     gpu = world.gpu
     return {"projection": "not measured", "model": model, "parameters": p.parameters,
             "world": {"nodes": world.nodes, "gpus_per_node": world.gpus_per_node, "gpus": world.size},
             "gpu": {"name": gpu.name, "tflops_bf16": gpu.tflops, "memory_gib": gpu.memory_gib,
                     "memory_gbs": gpu.memory_gbs, "intra_node_gbs": gpu.intra_gbs, "inter_node_gbs": gpu.inter_gbs},
-            "settings": {"global_batch": settings.global_batch, "micro_batch": settings.micro_batch,
+            "settings": {"global_batch": p.best.global_batch, "global_batch_aimed": settings.global_batch,
+                         "global_batch_rounded": settings.round_batch, "micro_batch": settings.micro_batch,
                          "context": settings.context, "mfu": settings.mfu, "reserve": settings.reserve,
                          "zero": int(settings.zero), "usable_memory_gib": p.usable_bytes / GIB},
             "chosen": _candidate(p.best), "runner_ups": [_candidate(c) for c in p.ranked[1:runner_ups + 1]],

@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..runtime.budget import recompute_text
 from ..runtime.measured import LayerCost
 from ..runtime.planner import balance_min_max
 from ..runtime.twin import HOST_CUDA, MemoryParts, predict, stage_memory
@@ -19,18 +20,24 @@ from ..schedule.simulate import in_flight_peaks
 from .hardware import World
 from .meta_costs import LayerWork, layer_costs
 
-__all__ = ["Settings", "Candidate", "Search", "SCHEDULES", "ACTIONS", "EXTEND_FROM", "SAVERS", "simulated_counts",
-           "split"]
+__all__ = ["Settings", "Candidate", "Search", "SCHEDULES", "ACTIONS", "CHECK_ACTIONS", "EXTEND_FROM", "SAVERS",
+           "simulated_counts", "split", "refusal"]
 
-SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half")
+SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half", "v-min")   # runtime/budget.py's SHAPES
 ACTIONS = 1024       # pp x m x chunks simulated in full; beyond, two smaller counts and a linear extension
-SAVERS = {"v-half": "zbv"}   # tried only where it may fit without the recompute the other one needs
+CHECK_ACTIONS = 2**14   # pp x m x chunks up to which an extended candidate's real count is built to check it builds
+# memory savers, each tried only where it may fit without the recompute the schedule named needs (the savers are
+# in SCHEDULES' order, least saving first: one is also left out where a lesser saver fits without recompute)
+SAVERS = {"v-half": "zbv", "v-min": "zbv"}
 EXTEND_FROM = {"1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 4, "zbv": 2}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What the run will be: sequences per step and per microbatch, tokens per sequence, and the assumptions."""
+    """What the run will be: sequences per step and per microbatch, tokens per sequence, and the assumptions.
+
+    ``global_batch`` is exact (a pp whose dp x micro batch does not divide it is skipped) unless ``round_batch``:
+    then it is a target each pp rounds to the nearest multiple of its dp x micro batch (at least one)."""
 
     global_batch: int
     micro_batch: int
@@ -38,7 +45,15 @@ class Settings:
     mfu: float = 0.5           # the fraction of the GPU's peak the layers' kernels reach
     reserve: float = 0.10      # of the GPU's memory, left for what the twin does not count
     zero: bool = False         # ZeRO-1: the optimizer state sharded over dp
-    schedules: tuple[str, ...] = SCHEDULES
+    round_batch: bool = False  # global_batch a target, rounded per pp (the dry run's default batch)
+
+    def batch_for(self, dp: int) -> int | None:
+        """The global batch at this dp: the target rounded (``round_batch``), else it if dp x micro batch divides
+        it, else None."""
+        unit = dp * self.micro_batch
+        if self.round_batch:
+            return max(1, (2 * self.global_batch + unit) // (2 * unit)) * unit   # nearest, halves up
+        return None if self.global_batch % unit else self.global_batch
 
 
 @dataclass
@@ -51,6 +66,7 @@ class Candidate:
     chunks: int
     recompute: int | None      # None: none, 0: full, K: every K layers
     microbatches: int
+    global_batch: int          # sequences a step: microbatches x dp x micro batch
     step_s: float
     parts: dict[str, float]
     memory: list[MemoryParts]
@@ -71,7 +87,7 @@ class Candidate:
 
     @property
     def recompute_text(self) -> str:
-        return "none" if self.recompute is None else "full" if self.recompute == 0 else f"every:{self.recompute}"
+        return recompute_text(self.recompute)
 
 
 def _bare(name: str, pp: int) -> Schedule:
@@ -134,6 +150,21 @@ def simulated_counts(name: str, pp: int, microbatches: int, chunks: int) -> tupl
     return (microbatches,) if microbatches <= (k + 1) * pp else (k * pp, (k + 1) * pp)
 
 
+def refusal(name: str, pp: int, microbatches: int) -> str | None:
+    """Why the builder refuses schedule ``name`` at pp and this many microbatches (None: it builds). The unlowered
+    schedule is built at the count itself while pp x m x chunks is at most :data:`CHECK_ACTIONS` (milliseconds for
+    the hand-written builders, the ones a step is extended for); beyond, at m mod pp (or pp): the builders' rules see
+    m only through its residue modulo pp (interleaved-1f1b's groups of pp), and the count itself could take
+    seconds: at the least count of that residue."""
+    if pp * microbatches * default_chunks(name) > CHECK_ACTIONS:
+        microbatches = microbatches % pp or pp
+    try:
+        build_schedule(name, pp, microbatches)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 class Search:
     """The candidates of one world and model, scored lazily (schedules built once per pp, m and name)."""
 
@@ -144,9 +175,12 @@ class Search:
         self.cap = world.gpu.memory_bytes * (1 - settings.reserve)
         self.input_bytes = 8.0 * settings.micro_batch * settings.context   # int64 token ids
         self.least: tuple[float, str] | None = None   # the least peak any candidate needed, and which
-        self.pruned: list[tuple[float, int, int, int, str, tuple[int, ...]]] = []   # state alone too large
+        # state alone too large: (state, its state under ZeRO-1, pp, dp, m, name, bounds)
+        self.pruned: list[tuple[float, float, int, int, int, str, tuple[int, ...]]] = []
+        self.zero_would_fit = False   # some dp > 1 candidate that did not fit would with its optimizer state sharded
         self.scored = 0
         self.unsimulated: set[str] = set()   # schedules left out where their step was too long to simulate
+        self.unbuilt: dict[str, tuple[list[str], str]] = {}   # schedule -> where its builder refused, and why
         self.built: dict[tuple[str, int], Schedule] = {}   # (name, pp): the last schedule built
 
     def need(self, peak: float, what: str) -> None:
@@ -173,15 +207,36 @@ class Search:
         plain = self.memory(bounds, schedule, dp, None)
         if max(m.total for m in plain) <= self.cap:
             return None
-        options = [(max(m.total for m in self.memory(bounds, schedule, dp, r)), r)
-                   for r in self.recompute_options(bounds)]
-        peak, best = min(options, key=lambda o: (o[0], o[1]))
-        self.need(peak, f"{what}, recompute {'full' if best == 0 else f'every:{best}'}")
+        options = [(self.memory(bounds, schedule, dp, r), r) for r in self.recompute_options(bounds)]
+        peak, best = min(((max(m.total for m in mems), r) for mems, r in options), key=lambda o: (o[0], o[1]))
+        self.need(peak, f"{what}, recompute {recompute_text(best)}")
+        if peak > self.cap and dp > 1 and not self.settings.zero:   # the excess the optimizer state over dp removes
+            self.zero_would_fit |= min(self._zeroed(mems, dp) for mems, _ in options) <= self.cap
         return best if peak <= self.cap else ""
 
-    def state(self, bounds: Sequence[int], name: str, pp: int, dp: int) -> float:
-        """The fullest position's parameters, gradients, optimizer state and weight copies (no schedule built)."""
-        return max(m.total for m in self.memory(bounds, _bare(name, pp), dp, None))
+    @staticmethod
+    def _zeroed(memory: Sequence[MemoryParts], dp: int) -> float:
+        """The fullest position's peak with its optimizer state sharded over dp (ZeRO-1)."""
+        return max(m.total - m.optimizer * (1 - 1 / dp) for m in memory)
+
+    def state(self, bounds: Sequence[int], name: str, pp: int, dp: int) -> tuple[float, float]:
+        """The fullest position's parameters, gradients, optimizer state and weight copies (no schedule built): as the
+        settings shard the optimizer state, and sharded over dp (what ZeRO-1 would leave)."""
+        bare = self.memory(bounds, _bare(name, pp), dp, None)
+        return max(m.total for m in bare), self._zeroed(bare, dp)
+
+    def _orders(self, name: str, pp: int, m: int, counts: tuple[int, ...], mean: Costs) -> list[Schedule] | None:
+        """The schedules to simulate, built at ``counts``, or None when the builder refuses the real count m (checked
+        by :func:`refusal` where the counts are not m itself) or those."""
+        try:
+            reason = refusal(name, pp, m) if counts != (m,) else None
+            orders = None if reason else [build_schedule(name, pp, c, costs=mean) for c in counts]
+        except ValueError as e:   # does not apply to this pp and m (interleaved-1f1b: m a multiple of pp)
+            reason, orders = str(e), None
+        if orders is None:
+            where, _ = self.unbuilt.setdefault(name, ([], (reason or "").split(" (got")[0].split(":")[0]))
+            where.append(f"pp {pp} (m {m})")
+        return orders
 
     def candidate(self, pp: int, dp: int, m: int, name: str) -> Candidate | None:
         """The scored candidate, or None when it does not build, has too few layers or does not fit."""
@@ -189,18 +244,17 @@ class Search:
         if pp * chunks > len(self.costs):
             return None
         bounds = split(self.totals, name, pp)
-        state = self.state(bounds, name, pp, dp)
+        state, zeroed = self.state(bounds, name, pp, dp)
         if state > self.cap:   # no schedule and no recompute can help: scored only if nothing fits (least_need)
-            self.pruned.append((state, pp, dp, m, name, bounds))
+            self.pruned.append((state, zeroed, pp, dp, m, name, bounds))
             return None
         counts = simulated_counts(name, pp, m, chunks)
         if counts is None:
             self.unsimulated.add(name)
             return None
         mean = self.mean_costs(name, pp, bounds, dp)
-        try:   # memory needs only the order; lowering it (the slow part) waits until it fits
-            orders = [build_schedule(name, pp, c, costs=mean) for c in counts]
-        except ValueError:   # does not apply to this pp and m (interleaved-1f1b: m a multiple of pp)
+        orders = self._orders(name, pp, m, counts, mean)   # memory needs only the order; lowering it (the slow
+        if orders is None:                                 # part) waits until it fits
             return None
         self.built[(name, pp)] = orders[-1]
         recompute = self.fitting(bounds, orders[-1], dp, f"pp {pp} x dp {dp}, {name}")
@@ -230,18 +284,17 @@ class Search:
         return max(self.busy(split(self.totals, name, pp), placed, None, m))
 
     def least_need(self) -> tuple[float, str]:
-        """The least peak of any candidate (those whose state alone was too large measured now, least first)."""
-        for state, pp, dp, m, name, bounds in sorted(self.pruned):
-            if self.least is not None and state >= self.least[0]:
-                break
+        """The least peak of any candidate (those whose state alone was too large measured now, least first; and
+        those ZeRO-1 may bring within the memory, to say whether it would)."""
+        for state, zeroed, pp, dp, m, name, bounds in sorted(self.pruned):
+            lesser = self.least is None or state < self.least[0]
+            if not lesser and (self.zero_would_fit or self.settings.zero or dp == 1 or zeroed > self.cap):
+                continue
             counts = simulated_counts(name, pp, m, default_chunks(name))
-            try:
-                order = build_schedule(name, pp, counts[-1], costs=self.mean_costs(name, pp, bounds, dp)) if counts \
-                    else None
-            except ValueError:
-                order = None
-            if order is not None:
-                self.fitting(bounds, order, dp, f"pp {pp} x dp {dp}, {name}")
+            orders = self._orders(name, pp, m, counts[-1:], self.mean_costs(name, pp, bounds, dp)) if counts \
+                else None
+            if orders is not None:
+                self.fitting(bounds, orders[0], dp, f"pp {pp} x dp {dp}, {name}")
         if self.least is None:
             raise ValueError("no schedule applies to any pp of this world and global batch")
         return self.least
@@ -276,10 +329,11 @@ class Search:
         busy = self.busy(bounds, schedule, recompute, m)
         work = sum(w.flops for w in self.work) * m * dp   # the model's FLOPs in a step (recompute not counted)
         tflops = work / step / world.size / 1e12
-        return Candidate(pp, dp, schedule.name, schedule.chunks, recompute, m, step, parts,
-                         self.memory(bounds, schedule, dp, recompute), 1 - sum(busy) / len(busy) / parts["compute"],
-                         s.global_batch * s.context / step, tflops, tflops / world.gpu.tflops, tuple(counts),
-                         list(bounds))
+        batch = m * dp * s.micro_batch
+        bubble = max(0.0, 1 - sum(busy) / len(busy) / parts["compute"])   # rounding: -1e-16 at pp 1
+        return Candidate(pp, dp, schedule.name, schedule.chunks, recompute, m, batch, step, parts,
+                         self.memory(bounds, schedule, dp, recompute), bubble, batch * s.context / step, tflops,
+                         tflops / world.gpu.tflops, tuple(counts), list(bounds))
 
     def busy(self, bounds: Sequence[int], schedule: Schedule, recompute: int | None, m: int) -> list[float]:
         """Each position's compute in a step: its stages' F, B and W (and F again under recompute), m times."""

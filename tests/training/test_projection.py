@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,10 +12,13 @@ from typing import Any
 import pytest
 
 from pipeengine import plan
+from pipeengine.schedule import build_schedule
+from pipeengine.training import hardware, meta_costs, projection, projection_report, scoring
 from pipeengine.training.hardware import GPUS, World, gpu_preset
 from pipeengine.training.meta_costs import gpt_config, gpt_work, layer_costs
 from pipeengine.training.projection import NoFit, Projection, Settings, project
-from pipeengine.training.scoring import EXTEND_FROM, Search, simulated_counts, split
+from pipeengine.training.projection_report import describe
+from pipeengine.training.scoring import CHECK_ACTIONS, EXTEND_FROM, SCHEDULES, Search, refusal, simulated_counts, split
 from tests.harness import ROOT
 
 H100 = gpu_preset("h100")
@@ -31,10 +35,13 @@ def check_plan(p: Projection, world: World, settings: Settings) -> None:
     assert p.ranked[0] is p.best
     for c in p.ranked:
         assert c.pp * c.dp == world.size
-        assert c.microbatches * c.dp * settings.micro_batch == settings.global_batch
+        assert c.microbatches * c.dp * settings.micro_batch == c.global_batch
+        assert c.global_batch == settings.global_batch or settings.round_batch
+        if c.pp * c.microbatches * c.chunks <= CHECK_ACTIONS:   # the real count builds, not only the simulated ones
+            build_schedule(c.schedule, c.pp, c.microbatches)
         assert c.peak <= usable and len(c.memory) == c.pp
         assert c.step_s == pytest.approx(sum(c.parts.values()))
-        assert c.tokens_per_s == pytest.approx(settings.global_batch * settings.context / c.step_s)
+        assert c.tokens_per_s == pytest.approx(c.global_batch * settings.context / c.step_s)
         assert 0 <= c.bubble < 1 and 0 < c.mfu <= settings.mfu * 1.0001
     assert [c.tokens_per_s for c in p.ranked] == sorted((c.tokens_per_s for c in p.ranked), reverse=True)
 
@@ -163,6 +170,17 @@ def test_uneven_global_batches_are_skipped_or_refused(work_7b: Any) -> None:
     (["--mfu", "1.5"], "1.5 is above 1"),
     (["--preset", "huge"], "invalid choice"),
     (["--reserve", "1"], "--reserve must be in [0, 1)"),
+    (["--vocab", "100000000000000000"], "argument --vocab: 100000000000000000 is above 16,777,216"),
+    (["--layers", "5000"], "argument --layers: 5000 is above 1,024"),
+    (["--tflops", "1e300"], "--tflops 1e+300 is outside 1 to 100,000 TFLOP/s"),
+    (["--intra-gbs", "1e-300"], "--intra-gbs 1e-300 is outside 0.1 to 100,000 GB/s"),
+    (["--inter-gbs", "1e-300"], "--inter-gbs 1e-300 is outside"),
+    (["--memory-gbs", "1e300"], "--memory-gbs 1e+300 is outside"),
+    (["--memory-gib", "1e9"], "--memory-gib 1e+09 is outside"),
+    (["--inter-gbs", "inf"], "inf is not a finite number"),
+    (["--tflops", "nan"], "nan is not a finite number"),
+    (["--mfu", "1e-300"], "1e-300 is below 0.01"),
+    (["--global-batch", "99999999999"], "is above 16,777,216"),
 ])
 def test_bad_input_is_one_line_and_status_2(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     try:
@@ -200,3 +218,129 @@ def test_layer_costs_are_flops_over_the_rate() -> None:
     assert costs[1].f == pytest.approx(work[1].forward / 25e12)
     assert costs[1].fused == pytest.approx(costs[1].b + costs[1].w)
     assert costs[1].activation_bytes == work[1].saved_bytes + work[1].output_bytes
+
+
+def test_a_candidate_is_chosen_only_where_its_real_count_builds(work_7b: Any) -> None:
+    """1026 sequences on 8 GPUs: pp 4 runs 513 microbatches a replica, which interleaved-1f1b refuses (m a multiple
+    of pp), though its step is simulated at two smaller counts that build."""
+    world, settings = World(1, 8, H100), Settings(global_batch=1026, micro_batch=1, context=4096)
+    p = project(work_7b, world, settings)
+    check_plan(p, world, settings)              # builds every fitting candidate at its real count
+    assert (p.best.pp, p.best.microbatches) == (4, 513) and p.best.schedule != "interleaved-1f1b"
+    assert "not built: interleaved-1f1b at pp 4 (m 513): needs microbatches to be a multiple of pp" in p.notes
+    assert "interleaved-1f1b" in refusal("interleaved-1f1b", 4, 513) and refusal("interleaved-1f1b", 4, 512) is None
+    # beyond CHECK_ACTIONS the count's residue modulo pp is built: quick at a million microbatches
+    assert refusal("interleaved-1f1b", 64, 10**6 + 1) and refusal("interleaved-1f1b", 64, 64 * 10**4) is None
+    assert refusal("zbv", 64, 10**6 + 1) is None
+
+
+def test_the_tied_weight_is_held_twice_as_the_engine_holds_it() -> None:
+    """runtime/ties.py: one copy per entry of a tie, also on one rank; memory counts both, the count of parameters
+    the logical ones."""
+    work = gpt_work(gpt_config("small"), 1)
+    p = project(work, World(1, 1, H100), Settings(8, 1, 1024))
+    assert p.best.pp == 1 and p.best.fullest.parameters == sum(w.param_bytes for w in work)   # both copies
+    assert p.parameters == sum(w.param_bytes - w.tied_bytes for w in work) // 4
+    doc = meta_costs.gpt_work.__doc__ or ""
+    assert "counts one where they share" not in doc and "memory counts both" in doc
+    assert "tied embedding and head weight held twice" in projection_report.ASSUMPTIONS
+
+
+def test_the_default_batch_is_about_4m_tokens_rounded_per_pp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert plan.main(["--preset", "7b", "--context", "8192", "--gpus", "1024", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["settings"]["global_batch"] == 512 == got["settings"]["global_batch_aimed"]   # 2^22 tokens, not 1,024
+    assert "512 sequences of 8,192 tokens" in capsys.readouterr().out
+    # a batch rounded away from the one aimed at is said: 1,024 on 24 GPUs at pp 1 is 43 x 24 = 1,032
+    settings = Settings(1024, 1, 128, round_batch=True)
+    assert [settings.batch_for(dp) for dp in (24, 12, 8, 3, 2048)] == [1032, 1020, 1024, 1023, 2048]
+    p = project(gpt_work(gpt_config("small", block_size=128), 1), World(3, 8, H100), settings)
+    check_plan(p, World(3, 8, H100), settings)
+    assert (p.best.pp, p.best.global_batch) == (1, 1032)
+    assert any(n.startswith("the global batch is 1,032 sequences (132,096 tokens), not the 1,024 aimed at")
+               for n in p.notes)
+    assert "1,032 sequences of 128 tokens" in describe(p, "m", World(3, 8, H100), settings)
+
+
+def test_a_model_too_large_for_the_meta_device_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"too large to build on the meta device \(Storage size calculation "
+                                         r"overflowed.*\); lower --vocab"):
+        plan._work(gpt_config("tiny", vocab_size=10**17), 1)
+
+
+def test_the_bubble_is_never_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    """pp 1: busy / makespan rounds to 1 + 1e-16 (printed -0.0%)."""
+    world, settings = World(1, 8, H100), Settings(1024, 1, 4096)
+    p = project(gpt_work(gpt_config("1b"), 1), world, settings)
+    check_plan(p, world, settings)
+    assert p.best.pp == 1 and p.best.bubble == 0.0
+    assert "-0.0%" not in describe(p, "1b", world, settings)
+
+
+def test_v_min_is_tried_where_only_it_fits_without_recompute(work_7b: Any) -> None:
+    assert SCHEDULES == __import__("pipeengine.runtime.budget", fromlist=["SHAPES"]).SHAPES
+    world, settings = World(1, 8, gpu_preset("h100", memory_gib=37)), Settings(32, 1, 4096)
+    p = project(work_7b, world, settings)
+    check_plan(p, world, settings)
+    assert any(c.schedule == "v-min" and c.recompute is None for c in p.ranked)
+
+
+def test_a_failed_run_leaves_no_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, kept = tmp_path / "plan.json", tmp_path / "kept.json"
+    kept.write_text("{}\n")
+    assert plan.main(["--preset", "70b", "--gpus", "8", "--json", str(out)]) == 2
+    assert plan.main(["--preset", "70b", "--gpus", "8", "--json", str(kept)]) == 2
+    assert not out.exists() and kept.read_text() == "{}\n"
+    assert plan.main(["--preset", "tiny", "--json", str(tmp_path / "no" / "plan.json")]) == 2
+    assert "--json" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_one_simulation_and_one_candidate_are_singular(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["--preset", "small", "--gpus", "1", "--global-batch", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "searched          1 simulation in " in text and "; 1 candidate fits" in text
+    assert projection.plural(2, "candidate") == "2 candidates"
+
+
+def test_shared_figures_have_one_source() -> None:
+    """recompute_text is budget.py's, GIB hardware.py's, RUNNER_UPS used by the report; no Settings.schedules;
+    the GPU peaks named as resources.py's table (checked equal by the preset test)."""
+    from pipeengine.runtime import budget
+    assert scoring.recompute_text is budget.recompute_text
+    assert projection.GIB is hardware.GIB and projection_report.GIB is hardware.GIB
+    assert not hasattr(projection, "RUNNER_UPS")
+    assert describe.__defaults__ == (projection_report.RUNNER_UPS,)
+    assert "schedules" not in Settings.__dataclass_fields__
+    assert "PEAK_TFLOPS" in (hardware.__doc__ or "")
+
+
+def test_zero_1_is_suggested_only_where_it_would_fit() -> None:
+    """Two blocks: pp at most 4 on 8 GPUs, so dp >= 2; at 4 GiB only the optimizer state over dp is the excess."""
+    work = gpt_work(gpt_config("7b", n_layer=2, block_size=1024), 1)
+    settings = Settings(64, 1, 1024)
+    with pytest.raises(NoFit) as helped:
+        project(work, World(1, 8, gpu_preset("h100", memory_gib=4)), settings)
+    assert "--zero 1" in str(helped.value)
+    project(work, World(1, 8, gpu_preset("h100", memory_gib=4)), dataclasses.replace(settings, zero=True))
+    with pytest.raises(NoFit) as hopeless:
+        project(work, World(1, 8, gpu_preset("h100", memory_gib=3)), settings)
+    assert "--zero 1" not in str(hopeless.value)
+
+
+def test_70b_on_8_gpus_does_not_suggest_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["--preset", "70b", "--gpus", "8"]) == 2
+    assert "--zero 1" not in capsys.readouterr().err   # pp 8 x dp 1 is the least: nothing to shard
+
+
+def test_a_world_smaller_than_a_node(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["--preset", "small", "--gpus", "4"]) == 0
+    assert "(1 node x 4)" in capsys.readouterr().out
+
+
+def test_the_assumptions_name_the_cpu_fitted_working_set_and_the_rank_order() -> None:
+    from pipeengine.runtime.twin import BACKWARD_SET
+    text = projection_report.ASSUMPTIONS
+    assert f"backward's working set {BACKWARD_SET:g}x" in text and "fitted on CPU" in text
+    assert "position-major" in text and "rank = position x dp + replica" in text
