@@ -14,14 +14,14 @@ the host, :func:`predict` gives
   under recompute the region recomputed; the wire's: the largest boundary tensor and its gradient per
   microbatch in flight; and ``runtime``: what the process holds beyond the model, measured before the first
   step);
-* **the step time**: the simulated step of the lowered schedule with each stage's own costs and transfers,
-  where a stage's F, B and W are its layers' measured phases with the engine's own cost counted once (the
-  profile timed it around every layer; a split backward runs a stage a layer at a time, so there it stays),
-  plus posting the position's transfers (:class:`Host`), and under recompute B runs F again; stretched when
-  the node's processes want more cores than it has (no faster than the node's work over its cores); plus the
-  end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2 (dp - 1) / dp`` of the
-  gradient bytes over the link) and the optimizer's pass over its parameters, gradients and state (bytes
-  over ``optimizer_bandwidth`` and a cost per parameter tensor, both timed at start).
+* **the step time**: the simulated step of the lowered schedule with each stage's own costs and transfers, where a
+  stage's F, B and W are its layers' measured phases with the engine's own cost counted once (the profile timed it
+  around every layer; a split backward runs a stage a layer at a time, so there it stays), plus posting the
+  position's transfers (:class:`Host`), and under recompute B runs F again (and a split W runs from the roots
+  again: F, B and W); stretched when the node's processes want more cores than it has (no faster than the node's
+  work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2
+  (dp - 1) / dp`` of the gradient bytes over the link) and the optimizer's pass over its parameters, gradients and
+  state (bytes over ``optimizer_bandwidth`` and a cost per parameter tensor, both timed at start).
 
 The prediction is a model, not a measurement: the summary shows the measured figures beside it
 (``predicted_step_s`` / ``median_step_s``, ``predicted_peak_memory_mib`` / ``peak_memory_mib``).
@@ -203,7 +203,12 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
         actions = sum(1 for a in schedule.compute_actions(p) if a.kind is not Kind.W)
         post = _posts(schedule, p, costs, bounds, host) / max(1, actions)
         f, b, w = phases[0] + post, phases[1] + post, phases[2]
-        out.append((f, b + (f if regions[s] is not None else 0.0), w))
+        if regions[s] is None:
+            out.append((f, b, w))
+        elif split:   # W runs from the roots again, recomputing once ([Note: split backward] in backward.py)
+            out.append((f, b + f, w + f + b))
+        else:
+            out.append((f, b + f, w))
     return out
 
 

@@ -54,6 +54,9 @@ def test_recompute_trades_activations_for_a_second_forward() -> None:
     assert every2.total < none.total and full.total < none.total
     plain, again = stage_costs(layers(), [0, 4, 8], sched), stage_costs(layers(), [0, 4, 8], sched, recompute=0)
     assert [b - f for (f, b, _) in again] == pytest.approx([b for (_, b, _) in plain])   # B runs F again first
+    zb = compile_schedule("zb-h1", 2, 4)   # split: W runs from the roots again, recomputing once
+    (f, b, w), = stage_costs(layers(), [0, 4, 8], zb, host=FREE, recompute=0)[:1]
+    assert (b, w) == pytest.approx((2 * f, 3 * f))   # every layer: F = B = W = 1 ms
     per = stage_costs(layers(), [0, 4, 8], sched, recompute=[None, 0])   # one per stage
     assert per[0] == plain[0] and per[1] == again[1]
 
