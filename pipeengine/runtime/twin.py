@@ -21,7 +21,7 @@ the host, :func:`predict` gives
   again: F, B and W); stretched when the node's processes want more cores than it has (no faster than the node's
   work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2
   (dp - 1) / dp`` of the gradient bytes over the link) and the optimizer's pass over its parameters, gradients and
-  state (bytes over ``optimizer_bandwidth`` and a cost per parameter tensor, both timed at start).
+  state (bytes over ``optimizer_bandwidth``, timed at start).
 
 The prediction is a model, not a measurement: the summary shows the measured figures beside it
 (``predicted_step_s`` / ``median_step_s``, ``predicted_peak_memory_mib`` / ``peak_memory_mib``).
@@ -237,12 +237,10 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
             optimizer_states: float = 2, zero: bool = False, input_bytes: float = 0.0,
             runtime: float | Sequence[float] = 0.0,
             processes: int = 1, cores: float = 1.0, host: Host = HOST, optimizer_bandwidth: float = 5e9,
-            dp_bandwidth: float | None = None, trainable: Sequence[int] | None = None,
-            optimizer_per_tensor: float = 0.0, tensors: Sequence[int] | None = None) -> Twin:
+            dp_bandwidth: float | None = None, trainable: Sequence[int] | None = None) -> Twin:
     """The twin of a run of ``schedule`` on ``bounds`` (see [Note: the twin]). ``processes`` x their threads want
     ``cores``: the node's ranks and cores (their ratio stretches compute when above 1); ``dp_bandwidth``: bytes/s of
-    the data-parallel all-reduce (None: the pipeline links', else 1 GB/s); ``tensors``: parameter tensors per layer,
-    each costing the end of the step ``optimizer_per_tensor`` seconds beside its bytes."""
+    the data-parallel all-reduce (None: the pipeline links', else 1 GB/s)."""
     stage = stage_costs(costs, bounds, schedule, host, recompute)
     comm = []
     for s in range(schedule.num_stages - 1):
@@ -260,9 +258,6 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
     sync = 2 * (dp - 1) / dp * grads / bandwidth if dp > 1 else 0.0
     # the optimizer passes over parameters, gradients and state of its share (1 / dp of them under ZeRO-1)
     opt = (2 + 2 * optimizer_states) * grads / (dp if zero else 1) / optimizer_bandwidth
-    if tensors is not None:   # and a fixed cost per parameter tensor, on the position holding the most
-        stages = [[schedule.stage(p, c) for c in range(schedule.chunks)] for p in range(schedule.pp)]
-        opt += optimizer_per_tensor * max(sum(sum(tensors[bounds[s]:bounds[s + 1]]) for s in mine) for mine in stages)
     parts = {"compute": compute, "host": host.per_step * share, "dp sync": sync,
              "optimizer": opt * share}
     where = f"; {processes} processes share {cores:g} cores" if share > 1 else ""

@@ -30,7 +30,7 @@ from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
 from .checks import partition_arg
 from .report import write_json
 
-__all__ = ["resident_bytes", "peak_above", "optimizer_states", "optimizer_speed", "run_facts", "run_twin",
+__all__ = ["resident_bytes", "peak_above", "optimizer_states", "optimizer_bandwidth", "run_facts", "run_twin",
            "node_cores", "build_engine", "dry_run"]
 
 
@@ -67,41 +67,28 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> float:
     return 2.0
 
 
-def _end_of_step(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
-                 params: list[torch.nn.Parameter]) -> float:
-    """Seconds of the end of a step over ``params``: the optimizer's step, the gradients' norm and zeroing
-    (median of 5, after one warm-up)."""
-    grads = [torch.full_like(p, 1e-3) for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt = build(params)
+def optimizer_bandwidth(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
+                        states: float, elements: int) -> float:
+    """Bytes per second the end of a step passes over (parameters, gradients and optimizer state): the optimizer's
+    step, the gradients' norm and zeroing, timed on one parameter of a quarter of ``elements`` floats (the rank's
+    own: caches count about as they will; a quarter: the probe's parameter, gradient and state stay below the
+    optimizer state the run will hold, so it never sets the process's peak), at most 2**22; median of 5, after
+    one warm-up."""
+    elements = max(1024, min(elements // 4, 2**22))
+    p = torch.nn.Parameter(torch.zeros(elements, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = build([p])
     times = []
     for _ in range(6):
         synchronize(device)
         t = time.perf_counter()
         opt.step()
-        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        for g in grads:
-            g.zero_()
+        torch.linalg.vector_norm(p.grad)
+        p.grad.zero_()
         synchronize(device)
         times.append(time.perf_counter() - t)
-        for g in grads:
-            g.fill_(1e-3)
-    return statistics.median(times[1:])
-
-
-def optimizer_speed(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
-                    states: float, elements: int) -> tuple[float, float]:
-    """(bytes per second the end of a step passes over: parameters, gradients and optimizer state; seconds more per
-    parameter tensor): the optimizer's step, the gradients' norm and zeroing, timed on a quarter of ``elements``
-    floats (the rank's own: caches count about as they will; a quarter: the probe's parameter, gradient and state
-    stay below the optimizer state the run will hold, so it never sets the process's peak; at most 2**22) as one
-    tensor and as 32."""
-    elements = max(1024, min(elements // 4, 2**22))
-    one = _end_of_step(build, device, [torch.nn.Parameter(torch.zeros(elements, device=device))])
-    many = _end_of_step(build, device, [torch.nn.Parameter(torch.zeros(elements // 32, device=device))
-                                        for _ in range(32)])
-    return (2 + 2 * states) * 4 * elements / max(one, 1e-9), max(0.0, many - one) / 31
+        p.grad.fill_(1e-3)
+    return (2 + 2 * states) * 4 * elements / max(statistics.median(times[1:]), 1e-9)
 
 
 def node_cores(device: torch.device) -> tuple[int, float]:
@@ -128,8 +115,7 @@ def run_facts(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
     return {"dp": dp, "zero": zero, "optimizer_states": states, "processes": processes, "cores": cores,
             "input_bytes": sum(t.numel() * t.element_size() for t in flat(sample_inputs)),
             "host": HOST_CUDA if device.type == "cuda" else HOST,
-            **dict(zip(("optimizer_bandwidth", "optimizer_per_tensor"),
-                       optimizer_speed(build, device, states, elements)))}
+            "optimizer_bandwidth": optimizer_bandwidth(build, device, states, elements)}
 
 
 def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, baseline: float,
@@ -150,7 +136,7 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     stages = plan.recompute or [recompute] * plan.num_stages
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
                    recompute=[parse_recompute(r) for r in stages],
-                   runtime=[runtime[p] for p in range(plan.schedule.pp)], tensors=plan.param_counts or None, **facts)
+                   runtime=[runtime[p] for p in range(plan.schedule.pp)], **facts)
 
 
 def build_engine(cfg: Any, model: Any, topo: Any, feed: Any, device: torch.device, point: Any,
