@@ -123,7 +123,7 @@ class ScheduleConfig:
                                                 "is built, on CUDA the allocator's peak); the schedule (with "
                                                 "--schedule auto; else the one named), recompute per stage and the "
                                                 "split are chosen together for the shortest predicted step whose "
-                                                "predicted peak fits in 90% of it (the rest for what the twin misses)",
+                                                "predicted peak fits in 90%% of it (the rest for what the twin misses)",
                                           check=finite(0, above=True, what="number of GiB"), metavar="GiB")
     dry_run: bool = setting(False, "set up, profile and plan, print the twin's prediction (the step time and each "
                                    "rank's peak memory by part, beside the schedule, split and recompute) and exit "
