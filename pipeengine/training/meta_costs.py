@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..runtime.measured import LayerCost
+from ..runtime.tensors import flat
 
 __all__ = ["LayerWork", "measure_layer", "gpt_work", "layer_costs", "gpt_config"]
 
@@ -109,16 +110,8 @@ class _Autocast(TorchFunctionMode):
         return first
 
 
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for t in x:
-            yield from _tensors(t)
-
-
 def _nbytes(x: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
+    return sum(t.numel() * t.element_size() for t in flat(x))
 
 
 def measure_layer(layer: nn.Module, x: Any, loss: Callable[[Any], torch.Tensor] | None = None,
@@ -145,9 +138,9 @@ def measure_layer(layer: nn.Module, x: Any, loss: Callable[[Any], torch.Tensor] 
         casts.update(c.untyped_storage()._cdata for c in mode.cache.values())
     for c in casts:
         saved.pop(c, None)
-    grads = [torch.empty_like(t) for t in _tensors(root) if t.requires_grad]
+    grads = [torch.empty_like(t) for t in flat(root) if t.requires_grad]
     with FlopCounterMode(display=False) as backward:
-        torch.autograd.backward([t for t in _tensors(root) if t.requires_grad], grads)
+        torch.autograd.backward([t for t in flat(root) if t.requires_grad], grads)
     w = mode.weight_flops
     work = LayerWork(forward=forward.get_total_flops() - mode.sdpa_flops,
                      input_grad=max(0.0, backward.get_total_flops() - 2.5 * mode.sdpa_flops - w), weight_grad=w,
