@@ -29,6 +29,11 @@ class LayerCost:
     # W and the fused backward): a stage of k layers pays it once, not k times (the twin, twin.py)
     host: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     held_for_w: int = 0   # bytes a split backward's B keeps until W (gradients for the weights), when timed split
+    grad_bytes: int | None = None   # bytes of its trainable parameters (their gradients); None: all of them
+
+    @property
+    def trainable_bytes(self) -> int:
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
 
     @property
     def total(self) -> float:

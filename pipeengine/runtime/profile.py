@@ -205,7 +205,9 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
                                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                                noise=spread, kind=layer_kind(layer, x, timer.kind), output_bytes=out_bytes,
-                               host=host, held_for_w=timer.held_for_w))
+                               host=host, held_for_w=timer.held_for_w,
+                               grad_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()
+                                              if p.requires_grad)))
         x = timer.out
     return costs
 

@@ -134,12 +134,12 @@ def awaiting_w(schedule: Schedule) -> dict[int, int]:
 
 def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, *, optimizer_states: float = 2,
                  shards: int = 1, recompute: int | None | Sequence[int | None] = None, input_bytes: float = 0.0,
-                 runtime: float | Sequence[float] = 0.0, trainable: Sequence[int] | None = None) -> list[MemoryParts]:
+                 runtime: float | Sequence[float] = 0.0) -> list[MemoryParts]:
     """Each position's predicted peak by part (see [Note: the twin]); ``shards``: dp under ZeRO-1 (else 1),
     ``recompute``: layers per region (None: none, 0: the whole stage; or one per stage), ``input_bytes``: the
     model's input per microbatch, ``runtime``: bytes a process holds beyond the model (one for all, or one per
-    position), ``trainable``: per layer its trainable parameter bytes (None: all of them)."""
-    grads = list(trainable) if trainable is not None else [c.param_bytes for c in costs]
+    position)."""
+    grads = [c.trainable_bytes for c in costs]
     beyond = [float(runtime)] * schedule.pp if isinstance(runtime, (int, float)) else [float(r) for r in runtime]
     peaks = stage_peaks(schedule) if not schedule.forward_only else {s: 0 for s in range(schedule.num_stages)}
     waiting = awaiting_w(schedule)
@@ -237,7 +237,7 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
             optimizer_states: float = 2, zero: bool = False, input_bytes: float = 0.0,
             runtime: float | Sequence[float] = 0.0,
             processes: int = 1, cores: float = 1.0, host: Host = HOST, optimizer_bandwidth: float = 5e9,
-            dp_bandwidth: float | None = None, trainable: Sequence[int] | None = None) -> Twin:
+            dp_bandwidth: float | None = None) -> Twin:
     """The twin of a run of ``schedule`` on ``bounds`` (see [Note: the twin]). ``processes`` x their threads want
     ``cores``: the node's ranks and cores (their ratio stretches compute when above 1); ``dp_bandwidth``: bytes/s of
     the data-parallel all-reduce (None: the pipeline links', else 1 GB/s)."""
@@ -252,7 +252,7 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
     # the node's processes run pipelines of pp ranks each: their work over its cores bounds the step from below
     compute = max(sim.makespan, sum(sim.busy) * processes / schedule.pp / max(cores, 1e-9))
     memory = stage_memory(costs, bounds, schedule, optimizer_states=optimizer_states, shards=dp if zero else 1,
-                          recompute=recompute, input_bytes=input_bytes, runtime=runtime, trainable=trainable)
+                          recompute=recompute, input_bytes=input_bytes, runtime=runtime)
     grads = max(m.gradients for m in memory)
     bandwidth = dp_bandwidth or (min(links.bandwidth) if links is not None and links.bandwidth else 1e9)
     sync = 2 * (dp - 1) / dp * grads / bandwidth if dp > 1 else 0.0

@@ -36,6 +36,13 @@ def test_memory_by_hand_for_1f1b() -> None:
         assert m.total == sum(m.mib().values()) * MB
 
 
+def test_frozen_parameters_have_no_gradient_nor_optimizer_state() -> None:
+    sched = compile_schedule("1f1b", 1, 2)
+    half = [LayerCost(1e-3, 1e-3, 1e-3, 2e-3, 2 * MB, 4 * MB, output_bytes=MB, grad_bytes=MB) for _ in range(2)]
+    m, = stage_memory(half, [0, 2], sched)
+    assert (m.parameters, m.gradients, m.optimizer) == (8 * MB, 2 * MB, 4 * MB)
+
+
 def test_zero_shards_the_optimizer_state_only() -> None:
     sched = compile_schedule("1f1b", 2, 4)
     whole, sharded = (stage_memory(layers(), [0, 4, 8], sched, shards=k)[0] for k in (1, 4))
