@@ -30,7 +30,7 @@ from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
 from .checks import partition_arg
 from .report import write_json
 
-__all__ = ["resident_bytes", "peak_above", "optimizer_states", "optimizer_bandwidth", "run_facts", "run_twin",
+__all__ = ["resident_bytes", "optimizer_states", "optimizer_bandwidth", "run_facts", "run_twin",
            "node_cores", "build_engine", "dry_run"]
 
 
@@ -48,12 +48,6 @@ def resident_bytes(trim: bool = False) -> float:
     except OSError:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return float(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def peak_above(mem: dict[str, float]) -> float | None:
-    """The peak comparable with the twin's, MiB: the allocator's on CUDA, the resident set above the baseline on
-    CPU (None before the baseline is known)."""
-    return mem.get("allocated", mem.get("above_baseline"))
 
 
 def optimizer_states(optimizer: torch.optim.Optimizer) -> float:
