@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import Any, NoReturn, Sequence
 
+from .training.checks import output_problem
 from .training.hardware import GPUS, RANGES, World, gpu_preset
 
 __all__ = ["main", "parser"]
@@ -146,13 +146,9 @@ def _model_text(args: argparse.Namespace, cfg: Any) -> str:
 
 def _writable(path: str) -> None:
     """ValueError when ``path`` cannot be written (checked before the search; nothing is created until the end)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"--json {path}: is a directory")
-    if not os.path.isdir(folder):
-        raise ValueError(f"--json {path}: no directory {folder}")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise ValueError(f"--json {path}: not writable")
+    problem = output_problem(path)
+    if problem:
+        raise ValueError(f"--json: {problem}")
 
 
 def _work(cfg: Any, micro_batch: int) -> Any:

@@ -122,10 +122,11 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     microbatches, uneven = max(counts), len(set(counts)) > 1
     compiled = _compiled(schedule, pp, microbatches, chunks, costs, validate_schedule, partition, uneven)
     sizing = sizing_layers(layers)
+    params = tuple(len(list(m.parameters())) for m in sizing)   # parameter tensors per layer
     _check_same_everywhere(seed, sizing, dict(agree or {}))
     measured, linked = _measured(layers, pp, partition, seed, sample, loss_fn, device, precision, compiled, links)
     if memory_budget is not None:
-        return _budget_plan(len(layers), sizing, measured, schedule, pp, counts, memory_budget, linked, sizes, facts)
+        return _budget_plan(len(layers), params, measured, schedule, pp, counts, memory_budget, linked, sizes, facts)
     decided = decided_by_rank0(lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap, linked))
     choice = decided if isinstance(decided, Choice) else None
     chosen = decided if isinstance(decided, AutoChoice) else None
@@ -138,7 +139,6 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     schedules = {c: (compiled if c == microbatches else _by_count(kind, pp, c, compiled.chunks, costs, True),
                      compile_schedule("forward", pp, c, compiled.chunks, placement=compiled.placement_kind))
                  for c in set(counts)}
-    params = tuple(len(list(m.parameters())) for m in sizing)
     return Plan(compiled, schedules[microbatches][1], bounds, len(layers), costs, choice, params, chosen,
                 tuple(counts) if uneven else (), {c: s for c, s in schedules.items() if c != microbatches}, linked,
                 tuple(measured))
@@ -159,7 +159,7 @@ def _measured(layers: Sequence[LayerSpec], pp: int, partition: str | Sequence[in
                           compiled.split_backward), linked
 
 
-def _budget_plan(num_layers: int, sizing: Sequence[Any], measured: Sequence[LayerCost], schedule: str | Schedule,
+def _budget_plan(num_layers: int, params: tuple[int, ...], measured: Sequence[LayerCost], schedule: str | Schedule,
                  pp: int, counts: Sequence[int], budget: float, links: Links | None, sizes: Sequence[float] | None,
                  facts: Mapping[str, Any] | None) -> Plan:
     """The plan a memory budget of ``budget`` bytes per rank chose (the twin's parts, twin.py): the schedule's shape
@@ -181,7 +181,7 @@ def _budget_plan(num_layers: int, sizing: Sequence[Any], measured: Sequence[Laye
     sched = chosen.schedule
     evaluation = compile_schedule("forward", pp, counts[0], sched.chunks, placement=sched.placement_kind)
     return Plan(sched, evaluation, tuple(chosen.bounds), num_layers, None, None,
-                tuple(len(list(m.parameters())) for m in sizing), links=links, measured=tuple(measured),
+                params, links=links, measured=tuple(measured),
                 recompute=tuple(chosen.recompute), budget=chosen)
 
 

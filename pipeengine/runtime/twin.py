@@ -29,7 +29,7 @@ The prediction is a model, not a measurement: the summary shows the measured fig
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..schedule import Costs, Schedule, simulate
@@ -220,7 +220,6 @@ class Twin:
     parts: dict[str, float]
     memory: list[MemoryParts]
     cores: str = ""
-    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         parts = "  ".join(f"{k} {1e3 * v:.1f}" for k, v in self.parts.items() if v)
@@ -228,7 +227,7 @@ class Twin:
         for p, m in enumerate(self.memory):
             lines.append(f"  position {p}: predicted peak {m.total / 2**20:,.0f} MiB = " + "  ".join(
                 f"{k} {v:,.0f}" for k, v in m.mib().items()) + " MiB")
-        return "\n".join(lines + [f"  {n}" for n in self.notes])
+        return "\n".join(lines)
 
 
 def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, *, dp: int = 1,

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ..runtime.options import check_grad_clip, check_timeout, parse_recompute
 
 __all__ = ["BUILTIN_MODELS", "model_spec", "Check", "at_least", "finite", "probability", "seed", "grad_clip",
-           "recompute", "timeout", "seconds", "partition", "partition_arg"]
+           "recompute", "timeout", "seconds", "partition", "partition_arg", "output_problem", "writable_folder"]
 
 BUILTIN_MODELS = ("gpt", "resnet", "mlp")
 Check = Callable[[str, Any], Any]   # (the setting's name as the user knows it, value) -> value, or ValueError
@@ -105,6 +105,18 @@ def model_spec(name: str, value: Any) -> Any:
         return value
     raise ValueError(f"{name} {value!r} is not {', '.join(BUILTIN_MODELS)} or package.module:function (a function "
                      f"returning a pipeengine.Model)")
+
+
+def output_problem(out: str) -> str | None:
+    """Why the file ``out`` cannot be written later (a folder, a missing or read-only folder), or None."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        return f"{out!r} is a folder; give the file to write, e.g. {os.path.join(out, 'model.pt')}"
+    if not os.path.isdir(folder):
+        return f"cannot write {out!r}: the folder {folder!r} does not exist; create it first"
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):
+        return f"cannot write {out!r}: the folder {folder!r} is not writable; give another path"
+    return None
 
 
 def writable_folder(path: str, flag: str) -> None:

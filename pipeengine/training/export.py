@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from .checks import output_problem
 from .checkpoint import CheckpointError, dcp_failures, manifest, metadata, read_failure, resolve
 from .checksums import changed_tensor, layout_error
 
@@ -60,13 +61,9 @@ def export(path: str, out: str) -> int:
 
 def _check_output(out: str) -> None:
     """The export's file can be written (checked before the checkpoint is read)."""
-    folder = os.path.dirname(os.path.abspath(out))
-    if os.path.isdir(out):
-        raise CheckpointError(f"{out!r} is a folder; give the file to write, e.g. {os.path.join(out, 'model.pt')}")
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"cannot write {out!r}: the folder {folder!r} does not exist; create it first")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise CheckpointError(f"cannot write {out!r}: the folder {folder!r} is not writable; give another path")
+    problem = output_problem(out)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def _layer_order(key: str) -> tuple[int, str]:
