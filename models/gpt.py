@@ -3,8 +3,13 @@
 [Note: packed rows]
 Under ``--packing pack`` a row holds several documents: the input is ``(tokens, positions,
 segments)`` (positions restart at each document, segment -1 at padding), the embedding passes
-``(x, segments)`` on and each block attends only within a segment (a boolean mask for
-``scaled_dot_product_attention``, causal inside). ``pad`` and ``ragged`` rows hold one document each,
+``(x, segments)`` on and each block attends only within a segment, causal inside (segments are
+contiguous runs of a row). On CPU, where reading the segments costs no device sync, a row attends
+document by document (``scaled_dot_product_attention``'s causal kernel on each run: the row costs
+its documents' Σ len², not len(row)²) unless its documents are short (``SPAN``: the kernel's fixed
+cost per call would outweigh it); other rows, and every row on an accelerator (where reading the
+boundaries would stall the stream), go through one boolean mask, which sends SDPA to its dense
+masked kernel (1.65× the causal one per position on CPU). ``pad`` and ``ragged`` rows hold one document each,
 padding after it, so plain causal attention never sees the padding. The target is ``(labels,
 weight)``: labels -100 at padding, and the weight makes the step's loss the mean over its real tokens
 (pipeengine/training/packing.py).
@@ -29,6 +34,9 @@ from .documents import Documents
 from .presets import PRESETS
 
 __all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters"]
+
+SPAN = 128   # CPU: a causal kernel call costs about what attending 100 positions does (forward and backward), so a
+#              row whose documents average fewer positions goes through the mask ([Note: packed rows])
 
 
 @dataclass
@@ -89,18 +97,49 @@ class Block(nn.Module):
     def forward(self, x: Any) -> Any:
         if isinstance(x, (tuple, list)):   # packed rows: attention within each segment ([Note: packed rows])
             h, segments = x
-            mask = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).tril_().unsqueeze(1)
-            return self._block(h, mask), segments
+            return self._block(h, segments), segments
         return self._block(x, None)
 
-    def _block(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _block(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self._attend(q, k, v, segments)
         x = x + self._drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
         return x + self._drop(self.fc_proj(F.gelu(self.fc(self.ln2(x)))))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None,
+                per_document: bool | None = None) -> torch.Tensor:
+        """Causal attention, within each segment of a packed row ([Note: packed rows]): row by row document by
+        document (``per_document`` True; None: on CPU, in rows whose documents average ``SPAN`` positions at
+        least), the other rows through one boolean mask."""
+        p = self.dropout if self.training else 0.0
+        if segments is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        b, t = segments.shape
+        starts: list[list[int] | None] = [None] * b
+        if per_document or (per_document is None and segments.device.type == "cpu"):
+            cuts: list[list[int]] = [[0] for _ in range(b)]
+            for r, i in (segments[:, 1:] != segments[:, :-1]).nonzero().tolist():
+                cuts[r].append(i + 1)
+            starts = [c if per_document or len(c) <= max(1, t // SPAN) else None for c in cuts]
+        masked = [r for r in range(b) if starts[r] is None]
+        if masked:
+            rows = torch.tensor(masked) if len(masked) < b else slice(None)
+            mask = (segments[rows].unsqueeze(-1) == segments[rows].unsqueeze(-2)).tril_().unsqueeze(1)
+            by_mask = F.scaled_dot_product_attention(q[rows], k[rows], v[rows], attn_mask=mask, dropout_p=p)
+            if len(masked) == b:
+                return by_mask
+        out, m = [], 0
+        for r, c in enumerate(starts):
+            if c is None:
+                out.append(by_mask[m:m + 1])
+                m += 1
+            else:
+                out.append(torch.cat([F.scaled_dot_product_attention(
+                    q[r:r + 1, :, s:e], k[r:r + 1, :, s:e], v[r:r + 1, :, s:e], is_causal=True, dropout_p=p)
+                    for s, e in zip(c, c[1:] + [t])], dim=2))
+        return torch.cat(out)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x

@@ -213,6 +213,28 @@ def test_the_gpt_loss_and_gradients_are_the_same_padded_packed_or_ragged() -> No
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+def test_packed_attention_document_by_document_equals_the_masked_kernel() -> None:
+    """On CPU a packed row attends document by document (no mask); that equals the boolean mask the GPT uses on
+    CUDA, outputs and gradients, the padding after the last document included; so does the automatic choice, which
+    here sends the one-document row alone by its documents and the others through the mask."""
+    from pipeengine.models import gpt
+    cfg = gpt.Config(block_size=16, n_layer=1, n_head=2, n_embd=8)
+    block = gpt.build(cfg, seed=0)[1]
+    segments = torch.tensor([[0] * 5 + [1] * 9 + [-1] * 2, [0] * 16, [0] * 1 + [1] * 1 + [2] * 14])
+    outs = []
+    for per_document in (True, False, None):
+        q, k, v = (torch.randn(3, 2, 16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                   .requires_grad_() for i in range(3))
+        y = block._attend(q, k, v, segments, per_document)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view_as(y))
+        outs.append([y, q.grad, k.grad, v.grad])
+    for other in outs[1:]:
+        for got, want in zip(outs[0], other):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # and it is causal inside a document: the second row's first output is its first value
+    torch.testing.assert_close(outs[0][0][1, :, 0], v.detach()[1, :, 0])
+
+
 def test_a_torch_dataset_with_lengths_is_packed_by_the_feed() -> None:
     """``Model.packing`` with a map-style Dataset that says its lengths: each step's sequences become the replica's
     microbatches by the packing, targets weighted by the global batch's real tokens; a stream is refused."""

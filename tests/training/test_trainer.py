@@ -147,6 +147,8 @@ def test_bad_inputs_give_one_line_and_status_2(tmp_path: Path, capsys: pytest.Ca
         with pytest.raises(SystemExit) as exc:   # a bad value on the command line, or met in set-up
             run(parse_args(["--steps", "2", *flags]))
         err = capsys.readouterr().err.strip().splitlines()
+        # a budget run profiles first: on a busy machine the profile may warn that alike layers measured apart
+        err = [line for line in err if not line.startswith("partition profile: layers")]
         assert exc.value.code == 2, (flags, err)
         assert len(err) == 1 and err[0].startswith(message.replace("{tmp}", str(tmp_path))), (flags, err)
         assert not torch.distributed.is_initialized()
