@@ -24,7 +24,7 @@ from ..schedule.simulate import in_flight_peaks
 from ..schedule.synth import synthesise
 from .links import Links
 from .measured import Choice, LayerCost, position_sizes, with_transfers
-from .planner import PartitionError, choose_bounds
+from .planner import PartitionError, choose_bounds, sized
 
 __all__ = ["AutoChoice", "auto_schedule", "lower_bound", "fill_bound", "LIBRARY"]
 
@@ -96,27 +96,31 @@ def _hops(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule,
 
 
 def lower_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule, microbatches: int,
-                comm: float | Sequence[float] = 0.0) -> float:
-    """max(busiest position's work, one microbatch's critical path) for a split and placement (``comm``: the
-    transfer time, one for all boundaries or one per boundary)."""
+                comm: float | Sequence[float] = 0.0, sizes: Sequence[float] | None = None) -> float:
+    """max(busiest position's work, the largest microbatch's critical path) for a split and placement (``comm``: the
+    transfer time, one for all boundaries or one per boundary; ``sizes``: each microbatch's size relative to the
+    one the costs are for, see simulate)."""
+    total, largest = (sum(sizes), max(sizes)) if sizes else (microbatches, 1.0)
     work = [0.0] * schedule.pp
     for s, (f, b, w) in enumerate(stage_costs):
-        work[schedule.placement(s)[0]] += microbatches * (f + b + w)
+        work[schedule.placement(s)[0]] += total * (f + b + w)
     hops = _hops(stage_costs, schedule, comm)
     path = sum(f + b for f, b, _ in stage_costs) + 2 * sum(hops) + stage_costs[0][2]   # then W of stage 0
-    return max(max(work), path)
+    return max(max(work), largest * path)
 
 
 def fill_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Schedule, microbatches: int,
-               comm: float | Sequence[float] = 0.0) -> float:
+               comm: float | Sequence[float] = 0.0, sizes: Sequence[float] | None = None) -> float:
     """:func:`lower_bound`, raised by what every position must wait for, whatever the order (a step bound).
 
     Nothing runs on position p before microbatch 0's forward reaches its lowest stage s (head: F of the
     stages below, plus a transfer per hop), so the step lasts at least head + p's work. And p's last B (of
     one of its stages, s) comes after all its F's and B's (a W may come later, nothing else), and is followed
     by the B's of the stages below s for that microbatch, one after another: head + p's F and B work + the
-    least such chain over p's stages.
+    least such chain over p's stages. With ``sizes`` the head and the chain are the smallest microbatch's and the
+    work the sum of all.
     """
+    total, least = (sum(sizes), min(sizes)) if sizes else (microbatches, 1.0)
     n = len(stage_costs)
     where = [schedule.placement(s)[0] for s in range(n)]
     hops = _hops(stage_costs, schedule, comm)
@@ -124,13 +128,13 @@ def fill_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Sche
     for s in range(1, n):
         reach[s] = reach[s - 1] + stage_costs[s - 1][0] + hops[s - 1]
     below = [sum(b for _, b, _ in stage_costs[:s]) for s in range(n)]   # B chain under stage s
-    best = lower_bound(stage_costs, schedule, microbatches, comm)
+    best = lower_bound(stage_costs, schedule, microbatches, comm, sizes)
     for p in range(schedule.pp):
         mine = [s for s in range(n) if where[s] == p]
-        head = min(reach[s] for s in mine)
-        fb = microbatches * sum(stage_costs[s][0] + stage_costs[s][1] for s in mine)
-        w = microbatches * sum(stage_costs[s][2] for s in mine)
-        best = max(best, head + fb + w, head + fb + min(below[s] for s in mine))
+        head = least * min(reach[s] for s in mine)
+        fb = total * sum(stage_costs[s][0] + stage_costs[s][1] for s in mine)
+        w = total * sum(stage_costs[s][2] for s in mine)
+        best = max(best, head + fb + w, head + fb + least * min(below[s] for s in mine))
     return best
 
 
@@ -157,15 +161,19 @@ def _cap_options(choice: Choice, schedule: Schedule, costs: Sequence[LayerCost],
 
 
 def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory_cap: float | None = None,
-                  links: Links | None = None, state_factor: float = 4.0) -> AutoChoice:
+                  links: Links | None = None, state_factor: float = 4.0,
+                  sizes: Sequence[float] | None = None) -> AutoChoice:
     """The schedule and split with the shortest simulated step (see the module docstring); ``links``: what a
-    transfer between neighbours costs (links.py; None: free)."""
+    transfer between neighbours costs (links.py; None: free); ``sizes``: each microbatch's cost relative to the
+    measured one (microbatches of their own lengths), every candidate simulated with them."""
+    sizes = sized(sizes, microbatches)
     chosen: dict[str, tuple[Choice, Schedule]] = {}
     candidates: dict[str, float | None] = {}
     for name, chunks in LIBRARY:
         try:
             sched = compile_schedule(name, pp, microbatches, chunks)
-            choice = choose_bounds(costs, sched, memory_cap, state_factor, budget=SEARCH_BUDGET, links=links)
+            choice = choose_bounds(costs, sched, memory_cap, state_factor, budget=SEARCH_BUDGET, links=links,
+                                   sizes=sizes)
         except (ValueError, PartitionError):   # does not apply (m, layers) or no split fits the cap
             candidates[name] = None
             continue
@@ -191,7 +199,7 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
             except ValueError:   # the cap leaves too little room for this placement
                 continue
             sched = shortest_lowering([order], stage)
-            made.append((simulate(sched, stage).makespan, sched))
+            made.append((simulate(sched, stage, sizes=sizes).makespan, sched))
         best = min(made, key=lambda ms: ms[0], default=None)
         candidates[label] = None if best is None else best[0]
         if best is not None:
@@ -202,8 +210,9 @@ def auto_schedule(costs: Sequence[LayerCost], pp: int, microbatches: int, memory
                              f"--memory-cap, use more pipeline positions or recompute (--recompute full)")
     # the shortest; on a tie a library schedule (known, proven in the tests) before a synthesised order
     makespan, name, sched, choice = min(results, key=lambda r: (r[0], r[1].startswith("synth"), r[1]))
-    bound = lower_bound(choice.stage_costs, sched, microbatches, choice.comm)
+    bound = lower_bound(choice.stage_costs, sched, microbatches, choice.comm, sizes)
     library = name if name in chosen else next(n for n, (c, _) in chosen.items() if c is choice)
     return AutoChoice(sched, list(choice.bounds), list(choice.stage_costs), makespan, bound,
                       _memory(choice.bounds, sched, costs, state_factor), candidates,
-                      fill_bound(choice.stage_costs, sched, microbatches, choice.comm), library, name, choice.comm)
+                      fill_bound(choice.stage_costs, sched, microbatches, choice.comm, sizes), library, name,
+                      choice.comm)

@@ -90,7 +90,7 @@ def fit_budget(costs: Sequence[LayerCost], pp: int, microbatches: int, budget: f
     for name in schedules:
         try:
             sched = compile_schedule(name, pp, microbatches)
-            fastest = choose_bounds(costs, sched, links=links).bounds
+            fastest = choose_bounds(costs, sched, links=links, sizes=facts.get("sizes")).bounds
         except (ValueError, PartitionError):
             continue
         balanced = balance_min_max([max(1.0, float(c.param_bytes)) for c in costs], sched.num_stages)

@@ -113,7 +113,7 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
         links: with ``partition="profile"``, what a transfer between neighbours costs (links.py: stated, or a
             collective that measures them, called on every rank once they agree on the settings); the split,
             auto's choice and the predicted step count the transfers. None: free.
-        sizes: each microbatch's size relative to ``sample`` (of their own lengths), for the predicted step.
+        sizes: each microbatch's size relative to ``sample`` (their own lengths), for the split, auto, the step.
         memory_budget, facts: bytes per rank, and what the twin takes of the run beyond the plan; see
             :func:`_budget_plan`.
     """
@@ -127,7 +127,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     measured, linked = _measured(layers, pp, partition, seed, sample, loss_fn, device, precision, compiled, links)
     if memory_budget is not None:
         return _budget_plan(len(layers), params, measured, schedule, pp, counts, memory_budget, linked, sizes, facts)
-    decided = decided_by_rank0(lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap, linked))
+    decided = decided_by_rank0(
+        lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap, linked, sizes))
     choice = decided if isinstance(decided, Choice) else None
     chosen = decided if isinstance(decided, AutoChoice) else None
     bounds = tuple(decided if isinstance(decided, list) else decided.bounds)
@@ -192,17 +193,18 @@ def _relowered(choice: Choice, schedule: str, pp: int, microbatches: int, chunks
     ``sizes`` when there is one per microbatch."""
     costs = choice.mean_costs()
     compiled = _by_count(schedule, pp, microbatches, chunks, costs, uneven)
-    sized = list(sizes) if sizes is not None and len(sizes) == microbatches else None
-    return costs, compiled, replace(choice, makespan=simulate(compiled, choice.costs(), sizes=sized).makespan)
+    sizes = planner.sized(sizes, microbatches)
+    return costs, compiled, replace(choice, makespan=simulate(compiled, choice.costs(), sizes=sizes).makespan)
 
 
 def _decide(measured: Sequence[Any], sizing: Sequence[Any], compiled: Schedule, partition: str | Sequence[int],
-            auto: bool, memory_cap: float | None, links: Links | None) -> list[int] | Choice | AutoChoice:
-    """Rank 0's choice of the bounds (and, for auto, of the schedule)."""
+            auto: bool, memory_cap: float | None, links: Links | None, sizes: Sequence[float] | None
+            ) -> list[int] | Choice | AutoChoice:
+    """Rank 0's choice of the bounds (and, for auto, of the schedule), for microbatches of ``sizes``."""
     if measured and auto:
-        return auto_schedule(measured, compiled.pp, compiled.microbatches, memory_cap, links)
+        return auto_schedule(measured, compiled.pp, compiled.microbatches, memory_cap, links, sizes=sizes)
     if measured:
-        return planner.choose_bounds(measured, compiled, memory_cap, links=links)
+        return planner.choose_bounds(measured, compiled, memory_cap, links=links, sizes=sizes)
     if partition == "profile":
         return [0, len(sizing)]
     if isinstance(partition, str):

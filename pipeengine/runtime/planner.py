@@ -20,7 +20,7 @@ if TYPE_CHECKING:   # the planner itself is torch-free: the schedule tool plans 
     from torch import nn
 
 __all__ = ["PartitionError", "METHODS", "balance_min_max", "even_bounds", "partition", "describe", "LayerCost",
-           "Choice", "choose_bounds", "EXACT_LIMIT", "position_sizes"]
+           "Choice", "choose_bounds", "EXACT_LIMIT", "position_sizes", "sized"]
 
 METHODS = ("profile", "parameters", "uniform", "cost")
 
@@ -134,8 +134,10 @@ class _Splits:
     """Contiguous splits of measured layers into a schedule's stages: their stage costs, memory and scores."""
 
     def __init__(self, costs: Sequence[LayerCost], schedule: Schedule, state_factor: float,
-                 links: Links | None = None) -> None:
+                 links: Links | None = None, sizes: Sequence[float] | None = None) -> None:
         self.costs, self.schedule, self.state_factor, self.links = costs, schedule, state_factor, links
+        self.sizes = sized(sizes, schedule.microbatches)
+        self.scale = sum(self.sizes) / schedule.microbatches if self.sizes else 1.0   # the step's work, relatively
         self.n, self.stages = len(costs), schedule.num_stages
         self.split = split = schedule.split_backward
         phases = [c.phases(split) for c in costs]
@@ -181,17 +183,19 @@ class _Splits:
 
     def bound(self, bounds: Sequence[int]) -> float:
         """A lower bound of the makespan: the busiest position's work."""
-        return max(self.timer.work(self._table(bounds)))
+        return max(self.timer.work(self._table(bounds))) * self.scale
 
     def quick(self, bounds: Sequence[int]) -> float:
-        """The makespan under data dependencies alone (the search's score, see Dataflow)."""
+        """The makespan under data dependencies alone, microbatches of one size (the search's score, see
+        Dataflow): the sizes scale every stage alike, so they move the split little."""
         self.scored += 1
         return self.timer.makespan(self._table(bounds), self.comm(bounds))
 
     def exact(self, bounds: Sequence[int]) -> float:
         """The simulated makespan of the lowered schedule with each stage's own costs."""
         self.scored += 1
-        return simulate(self.schedule, with_transfers(self.stage_costs(bounds), self.comm(bounds))).makespan
+        return simulate(self.schedule, with_transfers(self.stage_costs(bounds), self.comm(bounds)),
+                        sizes=self.sizes).makespan
 
     def choice(self, bounds: Sequence[int], makespan: float) -> Choice:
         return Choice(list(bounds), self.stage_costs(bounds), makespan, self.memory(bounds), self.scored,
@@ -202,7 +206,8 @@ EXACT_LIMIT = 2000   # splits: up to this many, every one is considered (pruned 
 
 
 def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: float | None = None,
-                  state_factor: float = 4.0, budget: int = 2000, links: Links | None = None) -> Choice:
+                  state_factor: float = 4.0, budget: int = 2000, links: Links | None = None,
+                  sizes: Sequence[float] | None = None) -> Choice:
     """Contiguous stage bounds minimising the simulated makespan of ``schedule`` with these layer costs.
 
     Every stage is simulated with its own costs (never a position's mean: one position's chunks of
@@ -217,15 +222,21 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: fl
     microbatch; with ``memory_cap`` (bytes) no split above it is chosen. Ties go to the split with the
     smaller slowest stage, then to the earlier bounds. With ``links`` every transfer takes its link's time for
     the boundary layer's output ([Note: links in the plan], links.py), so a boundary may move to where the
-    activation is small or the link fast.
+    activation is small or the link fast. With ``sizes`` (each microbatch's cost relative to the measured one:
+    microbatches of their own lengths) every split is simulated with them.
     """
     n, stages = len(costs), schedule.num_stages
     if n < stages:
         raise PartitionError(f"{n} layers cannot fill {stages} stages (each stage needs >= 1 layer)")
-    splits = _Splits(costs, schedule, state_factor, links)
+    splits = _Splits(costs, schedule, state_factor, links, sizes)
     best = (_exhaustive(splits, memory_cap) if math.comb(n - 1, stages - 1) <= EXACT_LIMIT
             else _local_search(splits, memory_cap, budget=budget))
     return _unless_noise(splits, best, memory_cap, noise(costs))
+
+
+def sized(sizes: Sequence[float] | None, microbatches: int) -> list[float] | None:
+    """``sizes`` as the simulator takes them: one per microbatch, else None (microbatches of the measured size)."""
+    return list(sizes) if sizes is not None and len(sizes) == microbatches else None
 
 
 def noise(costs: Sequence[LayerCost]) -> float:

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.planner import profile_costs, stage_costs
 from pipeengine.runtime.auto import LIBRARY, auto_schedule, fill_bound, lower_bound
-from pipeengine.runtime.planner import LayerCost, PartitionError
+from pipeengine.runtime.planner import LayerCost, PartitionError, choose_bounds
 from pipeengine.schedule import Costs, compile_schedule, simulate, validate
 
 
@@ -68,3 +68,21 @@ def test_a_synthesised_order_can_win_and_without_a_cap_holds_no_more_than_zb_h2(
     validate(choice.schedule)
     peaks = simulate(choice.schedule, [Costs(*c) for c in choice.stage_costs]).peak_in_flight
     assert max(peaks) <= choice.schedule.chunks * (2 * 4 - 1)
+
+
+def test_microbatches_of_their_own_sizes_are_planned_with_their_sizes() -> None:
+    """Ragged microbatches (one four times the measured size, three a quarter): auto simulates every candidate with
+    their sizes and picks another schedule than for equal ones, one that is faster on them; its bounds stay bounds.
+    The planner alone: sizes all c give the same split and c times the step."""
+    costs = profile_costs("uniform 48")
+    sizes = [4.0, 0.25, 0.25, 0.25]
+    equal, ragged = auto_schedule(costs, 2, 4), auto_schedule(costs, 2, 4, sizes=sizes)
+    assert equal.winner == "dualpipev" and ragged.winner != equal.winner
+    on_them = [simulate(c.schedule, [Costs(*s) for s in c.stage_costs], sizes=sizes).makespan
+               for c in (equal, ragged)]
+    assert on_them[1] == ragged.makespan < on_them[0]
+    assert ragged.bound <= ragged.fill <= ragged.makespan
+    assert ragged.bound == lower_bound(ragged.stage_costs, ragged.schedule, 4, sizes=sizes) > equal.bound
+    sched = compile_schedule("1f1b", 4, 8)
+    one, doubled = choose_bounds(costs, sched), choose_bounds(costs, sched, sizes=[2.0] * 8)
+    assert doubled.bounds == one.bounds and doubled.makespan == 2 * one.makespan
