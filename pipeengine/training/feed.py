@@ -154,14 +154,16 @@ class Feed:
         built: list[tuple[Any, Any]] = self.packing.build(examples, counts[self.replica], sum(counts) / max(real, 1))
         return built
 
-    def tokens(self, step: int) -> tuple[int, int]:
-        """The real tokens of step ``step``'s global batch and the positions computed for them (padding included),
-        over every replica (with a packing; else (0, 0))."""
+    def tokens(self, step: int) -> tuple[int, int, int]:
+        """The real tokens of step ``step``'s global batch, the positions computed for them (padding included) and
+        the sum of its sequences' squared lengths (their attention), over every replica (with a packing; else
+        zeros)."""
         if self.packing is None:
-            return 0, 0
+            return 0, 0, 0
         shares, counts = self._shares("train", self.position(step)), self.batch.counts(self.dp)
         return (sum(sum(s) for s in shares),
-                sum(self.packing.positions(s, counts[r]) for r, s in enumerate(shares)))
+                sum(self.packing.positions(s, counts[r]) for r, s in enumerate(shares)),
+                sum(n * n for s in shares for n in s))
 
     def sizes(self) -> list[float] | None:
         """With a packing: the microbatches of replica 0 (the largest count) of the data's first global batch, which

@@ -66,8 +66,8 @@ def _si(x: float) -> str:
 def _compute_text(s: dict[str, Any]) -> str:
     if not s.get("flops_per_sample"):
         return "n/a (the model's FLOPs could not be counted on the meta device)"
-    text = (f"{s['tflops_per_rank']:.3g} model TFLOP/s per rank ({_si(s['flops_per_sample'])}FLOP per sample = 3 x "
-            f"forward)")
+    what = "3 x forward" if s.get("padding_fraction") is None else "3 x its real tokens' forward, a mean"
+    text = f"{s['tflops_per_rank']:.3g} model TFLOP/s per rank ({_si(s['flops_per_sample'])}FLOP per sample = {what})"
     if s.get("mfu") is not None:
         return text + f"  MFU {100 * s['mfu']:.1f}% of {s['peak_tflops']:g}"
     return text + "  MFU n/a: no known peak (--peak-tflops)"

@@ -50,9 +50,9 @@ class StepTimes:
     walls: list[float] = field(default_factory=list)
     data: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
-    tokens: list[tuple[int, int]] = field(default_factory=list)   # (real tokens, positions computed) per step
+    tokens: list[tuple[int, int, int]] = field(default_factory=list)   # per step: real tokens, positions, Σ len²
 
-    def add(self, wall: float, data: float, step: float, tokens: tuple[int, int] = (0, 0)) -> None:
+    def add(self, wall: float, data: float, step: float, tokens: tuple[int, int, int] = (0, 0, 0)) -> None:
         self.walls.append(wall)
         self.data.append(data)
         self.steps.append(step)
@@ -96,10 +96,12 @@ class Reporter:
 
     def __init__(self, engine: PipelineEngine, topo: Topology, device: torch.device, run_dir: str, *,
                  global_batch: int, tokens_per_example: int | None, flops_per_example: float | None,
-                 peak_tflops: float | None, warm: int, writer: MetricsWriter, twin: Twin | None = None) -> None:
+                 peak_tflops: float | None, warm: int, writer: MetricsWriter, twin: Twin | None = None,
+                 flops_per_length: tuple[float, float] | None = None) -> None:
         self.engine, self.topo, self.device, self.run_dir = engine, topo, device, run_dir
         self.global_batch, self.tokens = global_batch, tokens_per_example
         self.flops, self.peak = flops_per_example, peak_tflops
+        self.per_length = flops_per_length   # sequences of their own lengths: (a, b) of a n + b n² (resources.py)
         self.times = StepTimes(warm)
         self.timed: list[TimedStep] = []
         self.memory: dict[int, dict[str, float]] = {}   # position -> its peak memory (replica 0), MiB
@@ -118,14 +120,29 @@ class Reporter:
         steps = self.times.steps_per_s
         samples = steps * self.global_batch
         world = self.topo.pp * self.topo.dp
-        tflops = samples * self.flops / 1e12 / world if self.flops else None
+        flops = self.flops_per_sample()
+        tflops = samples * flops / 1e12 / world if flops else None
         tokens = samples * self.tokens if self.tokens else None
-        real, positions = (sum(x) for x in zip(*self.times.steady(self.times.tokens))) if self.times.tokens else (0, 0)
+        real, positions, _ = self._steady_tokens()
         if positions:
             tokens = real / sum(self.times.steady(self.times.walls))
         return {"steps_per_s": steps, "samples_per_s": samples, "tokens_per_s": tokens,
                 "padding_fraction": 1 - real / positions if positions else None,
                 "tflops_per_rank": tflops, "mfu": tflops / self.peak if tflops and self.peak else None}
+
+    def _steady_tokens(self) -> tuple[int, int, int]:
+        """Real tokens, positions computed and Σ len² over the steps after the warm-up."""
+        steady = self.times.steady(self.times.tokens)
+        return (sum(t[0] for t in steady), sum(t[1] for t in steady), sum(t[2] for t in steady))
+
+    def flops_per_sample(self) -> float | None:
+        """Model FLOPs per sample: the counted figure, or with sequences of their own lengths the mean over the steps
+        after the warm-up of their real work (a n + b n² per sequence)."""
+        real, _, squares = self._steady_tokens()
+        if self.per_length is None or not real:
+            return self.flops
+        a, b = self.per_length
+        return (a * real + b * squares) / (len(self.times.steady(self.times.tokens)) * self.global_batch)
 
     def peak_memory(self) -> dict[str, float]:
         """The largest peak over the positions gathered so far (this rank's own before the first gather)."""
@@ -164,10 +181,11 @@ class Reporter:
             chrome_trace(records, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
 
     def step_done(self, step: int, wall: float, data: float, pipeline: float,
-                  tokens: Callable[[int], tuple[int, int]]) -> None:
+                  tokens: Callable[[int], tuple[int, int, int]]) -> None:
         """The step's wall time is known: log it with the rates it gives (the progress line's figures); ``tokens``:
-        a step's real tokens and positions computed ((0, 0): not counted), asked where the figures are shown."""
-        self.times.add(wall, data, pipeline, tokens(step) if self.writer.enabled else (0, 0))
+        a step's real tokens, positions computed and Σ len² (zeros: not counted), asked where the figures are
+        shown."""
+        self.times.add(wall, data, pipeline, tokens(step) if self.writer.enabled else (0, 0, 0))
         rates = self.rates()
         scalars = {"time/wall_s": wall, "time/data_s": data,
                    **{f"throughput/{k}": v for k, v in rates.items() if k != "mfu" and v is not None}}
@@ -188,7 +206,7 @@ class Reporter:
                 "wall_s_per_step": mean(self.times.steady(self.times.walls)),
                 "data_s_per_step": mean(self.times.steady(self.times.data)),
                 "median_step_s": sorted(steady)[len(steady) // 2],
-                "flops_per_sample": self.flops, "peak_tflops": self.peak,
+                "flops_per_sample": self.flops_per_sample(), "peak_tflops": self.peak,
                 "timed_steps": [t.step for t in timed],
                 "measured_bubble": mean([t.measured_bubble for t in timed]),
                 "theoretical_bubble": mean([t.simulated_bubble for t in timed]),

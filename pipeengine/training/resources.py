@@ -11,9 +11,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.data import default_collate
 
-__all__ = ["peak_memory", "set_baseline", "rank_memory", "memory_text", "flops_per_example", "peak_tflops",
-           "PEAK_TFLOPS",
-           "process_age", "slow_bf16_hint"]
+__all__ = ["peak_memory", "set_baseline", "rank_memory", "memory_text", "flops_per_example", "flops_per_length",
+           "peak_tflops", "PEAK_TFLOPS", "process_age", "slow_bf16_hint"]
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (name fragment, bf16/fp16 tensor cores, fp32).
 # The first fragment found in torch.cuda.get_device_name() wins, so the more specific ones come first.
@@ -83,6 +82,20 @@ def flops_per_example(factories: Sequence[Callable[[], torch.nn.Module]], inputs
         return None
     total = counter.get_total_flops()
     return 3.0 * total / 2 if total else None
+
+
+def flops_per_length(factories: Sequence[Callable[[], torch.nn.Module]], context: int) -> tuple[float, float] | None:
+    """Model FLOPs of training on one sequence of n tokens as ``a n + b n²`` (the layers and the attention), fitted
+    on :func:`flops_per_example` at n = ``context`` and half of it, the sequence of plain tokens a padded or ragged
+    row is (a model with a packing takes those). A step's model FLOPs are then its real sequences' sum: the padding
+    and the attention across documents a packed row masks off are not the model's work. None: not countable."""
+    n1, n2 = context, max(1, context // 2)
+    f1 = flops_per_example(factories, torch.zeros(n1, dtype=torch.int64))
+    f2 = f1 if n1 == n2 else flops_per_example(factories, torch.zeros(n2, dtype=torch.int64))
+    if f1 is None or f2 is None:
+        return None
+    b = 0.0 if n1 == n2 else max(0.0, (f1 / n1 - f2 / n2) / (n1 - n2))
+    return f1 / n1 - b * n1, b
 
 
 def peak_tflops(device: torch.device, precision: str) -> float | None:

@@ -39,8 +39,8 @@ from .models import Model, load_model
 from .report import oversubscribed, progress_line, summary_text, write_json
 from .prediction import build_engine, dry_run, resident_bytes, run_twin
 from .reporter import Reporter
-from .resources import (flops_per_example, memory_text, peak_tflops, process_age, rank_memory, set_baseline,
-                        slow_bf16_hint)
+from .resources import (flops_per_example, flops_per_length, memory_text, peak_tflops, process_age, rank_memory,
+                        set_baseline, slow_bf16_hint)
 from .resume import pick_checkpoint, resume
 from .saves import Saves
 from .savedir import check_shared
@@ -167,15 +167,17 @@ class Trainer:
         self.writer.log_text("config", "".join(f"    {line}\n" for line in to_toml(cfg).splitlines()))
         if self.world_change is not None:   # a group restarted at another size
             self.writer.log_world_change(self.world_change)
-        flops = None
-        if self.rank == 0 and self.model.packing is None:   # on the meta device (packed: its rows vary, not counted)
+        flops, per_length = None, None   # on the meta device; rows of their own: a sequence's FLOPs by its length
+        if self.rank == 0 and self.model.packing is None:
             flops = flops_per_example(self.model.layers, self.feed.first_input())
+        elif self.rank == 0 and self.model.packing is not None:
+            per_length = flops_per_length(self.model.layers, self.model.packing.context)
         twin = run_twin(self.engine, recompute=cfg.recompute.policy, sample_inputs=self.feed.sample()[0],
                         baseline=self.baseline, build=cfg.optimizer.build, sizes=self.feed.sizes())
         self.reporter = Reporter(self.engine, topo, self.device, self.run_dir, global_batch=self.batch.size,
                                  tokens_per_example=self.model.tokens_per_example, flops_per_example=flops,
                                  peak_tflops=cfg.logging.peak_tflops or peak_tflops(self.device, cfg.precision.mode),
-                                 warm=self.warm, writer=self.writer, twin=twin)
+                                 warm=self.warm, writer=self.writer, twin=twin, flops_per_length=per_length)
         if self.rank == 0 and not cfg.logging.quiet:
             log.info(topo.describe())
             plan = self.engine.plan   # the links, the split with its predicted step, what auto chose

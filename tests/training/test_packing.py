@@ -260,9 +260,10 @@ def test_a_torch_dataset_with_lengths_is_packed_by_the_feed() -> None:
     feed = Feed(Seqs(), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
     mbs = list(feed.train(0)[0])
     assert len(mbs) == 2 and all(isinstance(x, torch.Tensor) and x.dim() == 2 for x, _ in mbs)
-    real, positions = feed.tokens(0)
+    real, positions, squares = feed.tokens(0)
     weight = mbs[0][1][1]
     assert float(weight) == pytest.approx(4 / real) and positions >= real   # 2 replicas x 2 microbatches
+    assert real < squares <= 8 * real   # the sum of n² over sequences of 1 to 8 tokens, some longer than 1
     assert sum(int((y != IGNORE).sum()) for _, (y, _) in mbs) < real        # this replica's share only
     sizes = feed.sizes()   # replica 0's first microbatches, relative to the first (the profile's sample)
     assert sizes is not None and len(sizes) == 2 and sizes[0] == 1.0 and sizes[1] <= 1.0   # ragged: widest first

@@ -16,7 +16,7 @@ from pipeengine.runtime.clock import ActionRecord
 from pipeengine.training.breakdown import decompose, pipeline_bubble
 from pipeengine.training.console import _Console
 from pipeengine.training.report import write_json
-from pipeengine.training.resources import flops_per_example, peak_tflops, slow_bf16_hint
+from pipeengine.training.resources import flops_per_example, flops_per_length, peak_tflops, slow_bf16_hint
 from pipeengine.training.tensorboard import MetricsWriter
 from pipeengine.training.timeline import COLORS, _frame, chrome_trace, timeline_image
 
@@ -236,3 +236,15 @@ def test_model_flops_on_the_meta_device_and_the_peak_table() -> None:
     # forward 2*(8*16 + 16*4) multiply-adds per example, training 3x that
     assert flops_per_example(layers, torch.zeros(8)) == pytest.approx(3 * 2 * (8 * 16 + 16 * 4))
     assert peak_tflops(torch.device("cpu"), "bf16") is None   # no default on CPU: MFU is n/a unless given
+
+
+def test_a_sequences_flops_follow_its_length_as_a_line_plus_a_square() -> None:
+    """Rows of their own lengths: the GPT's FLOPs for one sequence of n tokens are a n + b n² (its layers, its
+    attention), fitted at the context and half of it; the fit gives the counted figure at other lengths."""
+    from pipeengine.models import gpt
+    layers = gpt.layer_factories(gpt.Config(block_size=64, n_layer=2, n_head=2, n_embd=16))
+    fit = flops_per_length(layers, 64)
+    assert fit is not None and fit[0] > 0 and fit[1] > 0
+    for n in (1, 7, 33):
+        counted = flops_per_example(layers, torch.zeros(n, dtype=torch.int64))
+        assert fit[0] * n + fit[1] * n * n == pytest.approx(counted, rel=1e-9)

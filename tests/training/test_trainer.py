@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import re
@@ -359,6 +361,15 @@ def test_tokens_per_s_counts_real_tokens_with_the_padding_beside_it(
     assert s["padding_fraction"] == pytest.approx(1 - real / positions, rel=1e-12) and s["padding_fraction"] > 0
     assert s["tokens_per_s"] == pytest.approx(real / (s["wall_s_per_step"] * len(steady)), rel=1e-9)
     assert f"tokens/s (real tokens; padding {100 * s['padding_fraction']:.1f}% of the positions)" in out
+    # model FLOPs: the real sequences' (a n + b n² each), the same wall time as tokens/s
+    from pipeengine.models import gpt
+    from pipeengine.training.resources import flops_per_length
+    fit = flops_per_length(gpt.layer_factories(dataclasses.replace(gpt.presets()["tiny"](), block_size=32)), 32)
+    assert fit is not None
+    flops = sum(fit[0] * n + fit[1] * n * n for x in lengths for n in x)
+    assert s["flops_per_sample"] == pytest.approx(flops / (size * len(steady)), rel=1e-9)
+    assert s["tflops_per_rank"] == pytest.approx(flops / (s["wall_s_per_step"] * len(steady)) / 1e12, rel=1e-9)
+    assert "FLOP per sample = 3 x its real tokens' forward, a mean)" in summary_text(s)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"scalars": 0})
     acc.Reload()
