@@ -35,8 +35,9 @@ from .presets import PRESETS
 
 __all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters"]
 
-SPAN = 128   # CPU: a causal kernel call costs about what attending 100 positions does (forward and backward), so a
-#              row whose documents average fewer positions goes through the mask ([Note: packed rows])
+SPAN = 128   # CPU: a causal kernel call costs about what attending 100 positions does (forward and backward: a 1,024
+#              row of 64-position documents is cheaper through the mask, one of 256-position ones by documents), so
+#              a row whose runs (documents, and the padding after them) average fewer positions takes the mask
 
 
 @dataclass

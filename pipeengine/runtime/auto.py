@@ -10,6 +10,9 @@ shortest simulated makespan wins, so auto is never slower in simulation than the
 schedule under the same cap. It also reports a lower bound no schedule can beat: the larger of the
 busiest position's work and the critical path of one microbatch (every F, then every B, with the
 transfers between positions), and the gap to it; and a tighter one that adds the fill (:func:`fill_bound`).
+Microbatches of their own sizes (``sizes``: shapes of their own) are simulated at their sizes: the splits, every
+candidate and the bounds (the largest microbatch's critical path); the synthesised orders and their lowerings are
+built for equal ones.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from ..schedule.costs import boundary_comm
 from ..schedule.simulate import in_flight_peaks
 from ..schedule.synth import synthesise
 from .links import Links
-from .measured import Choice, LayerCost, position_sizes, with_transfers
-from .planner import PartitionError, choose_bounds, sized
+from .measured import Choice, LayerCost, position_sizes, sized, with_transfers
+from .planner import PartitionError, choose_bounds
 
 __all__ = ["AutoChoice", "auto_schedule", "lower_bound", "fill_bound", "LIBRARY"]
 
@@ -100,6 +103,7 @@ def lower_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Sch
     """max(busiest position's work, the largest microbatch's critical path) for a split and placement (``comm``: the
     transfer time, one for all boundaries or one per boundary; ``sizes``: each microbatch's size relative to the
     one the costs are for, see simulate)."""
+    sizes = sized(sizes, microbatches)
     total, largest = (sum(sizes), max(sizes)) if sizes else (microbatches, 1.0)
     work = [0.0] * schedule.pp
     for s, (f, b, w) in enumerate(stage_costs):
@@ -120,6 +124,7 @@ def fill_bound(stage_costs: Sequence[tuple[float, float, float]], schedule: Sche
     least such chain over p's stages. With ``sizes`` the head and the chain are the smallest microbatch's and the
     work the sum of all.
     """
+    sizes = sized(sizes, microbatches)
     total, least = (sum(sizes), min(sizes)) if sizes else (microbatches, 1.0)
     n = len(stage_costs)
     where = [schedule.placement(s)[0] for s in range(n)]

@@ -81,7 +81,7 @@ class PipelineEngine:
             (zero.py; a no-op at dp 1); the optimizer must update elements on their own (SGD, Adam, AdamW...).
         link_gbps: with ``partition="profile"``, every pipeline link's bandwidth in Gbit/s instead of measuring
             each neighbour link at start ([Note: links in the plan] in links.py); ``microbatch_sizes``: each
-            microbatch's size relative to ``sample`` (shapes of their own), for the predicted step.
+            microbatch's size relative to ``sample`` (shapes of their own), for the split, auto and the predicted step.
         memory_budget: bytes per rank (twin.py's parts): schedule shape, recompute per stage and split
             chosen to fit it ([Note: memory budget], budget.py); ``facts``: the twin's facts of the run (plan.py).
     """

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from ..schedule import Costs, Schedule
 
-__all__ = ["LayerCost", "Choice", "position_sizes", "with_transfers"]
+__all__ = ["LayerCost", "Choice", "position_sizes", "with_transfers", "sized"]
 
 
 @dataclass
@@ -91,6 +91,11 @@ class Choice:
         lines.append("  model memory estimate per position (4 x parameters + activations in flight; not the "
                      "process's baseline): " + ", ".join(f"{m / 2**30:.2f} GiB" for m in self.memory))
         return "\n".join(lines)
+
+
+def sized(sizes: Sequence[float] | None, microbatches: int) -> list[float] | None:
+    """``sizes`` as the simulator takes them: one per microbatch, else None (microbatches of the measured size)."""
+    return list(sizes) if sizes is not None and len(sizes) == microbatches else None
 
 
 def position_sizes(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule) -> list[tuple[float, float]]:

@@ -22,7 +22,7 @@ from . import planner
 from .auto import AutoChoice, auto_schedule
 from .budget import SHAPES, BudgetChoice, fit_budget
 from .links import Links
-from .measured import Choice, LayerCost
+from .measured import Choice, LayerCost, sized
 from .profile import profile_shares
 
 __all__ = ["Plan", "make_plan", "replica_counts"]
@@ -193,7 +193,7 @@ def _relowered(choice: Choice, schedule: str, pp: int, microbatches: int, chunks
     ``sizes`` when there is one per microbatch."""
     costs = choice.mean_costs()
     compiled = _by_count(schedule, pp, microbatches, chunks, costs, uneven)
-    sizes = planner.sized(sizes, microbatches)
+    sizes = sized(sizes, microbatches)
     return costs, compiled, replace(choice, makespan=simulate(compiled, choice.costs(), sizes=sizes).makespan)
 
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 from ..schedule import Costs, Schedule, simulate
 from ..schedule.simulate import Dataflow
 from .links import Links
-from .measured import Choice, LayerCost, position_sizes, with_transfers
+from .measured import Choice, LayerCost, position_sizes, sized, with_transfers
 
 if TYPE_CHECKING:   # the planner itself is torch-free: the schedule tool plans from given costs with it
     from torch import nn
 
 __all__ = ["PartitionError", "METHODS", "balance_min_max", "even_bounds", "partition", "describe", "LayerCost",
-           "Choice", "choose_bounds", "EXACT_LIMIT", "position_sizes", "sized"]
+           "Choice", "choose_bounds", "EXACT_LIMIT", "position_sizes"]
 
 METHODS = ("profile", "parameters", "uniform", "cost")
 
@@ -232,11 +232,6 @@ def choose_bounds(costs: Sequence[LayerCost], schedule: Schedule, memory_cap: fl
     best = (_exhaustive(splits, memory_cap) if math.comb(n - 1, stages - 1) <= EXACT_LIMIT
             else _local_search(splits, memory_cap, budget=budget))
     return _unless_noise(splits, best, memory_cap, noise(costs))
-
-
-def sized(sizes: Sequence[float] | None, microbatches: int) -> list[float] | None:
-    """``sizes`` as the simulator takes them: one per microbatch, else None (microbatches of the measured size)."""
-    return list(sizes) if sizes is not None and len(sizes) == microbatches else None
 
 
 def noise(costs: Sequence[LayerCost]) -> float:

@@ -37,7 +37,7 @@ from ..schedule.actions import Kind
 from ..schedule.lower import lower
 from ..schedule.simulate import stage_peaks
 from .links import Links
-from .measured import LayerCost, with_transfers
+from .measured import LayerCost, sized, with_transfers
 
 __all__ = ["MemoryParts", "Host", "HOST", "HOST_CUDA", "Twin", "stage_memory", "stage_costs", "predict", "per_stage",
            "PARTS", "BACKWARD_SET"]
@@ -245,8 +245,7 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
     for s in range(schedule.num_stages - 1):
         p, q = schedule.placement(s)[0], schedule.placement(s + 1)[0]
         comm.append(links.seconds(p, q, costs[bounds[s + 1] - 1].output_bytes) if links is not None else 0.0)
-    sized = list(sizes) if sizes is not None and len(sizes) == schedule.microbatches else None
-    sim = simulate(schedule, with_transfers(stage, comm), sizes=sized)
+    sim = simulate(schedule, with_transfers(stage, comm), sizes=sized(sizes, schedule.microbatches))
     share = max(1.0, processes / max(cores, 1e-9))
     # the node's processes run pipelines of pp ranks each: their work over its cores bounds the step from below
     compute = max(sim.makespan, sum(sim.busy) * processes / schedule.pp / max(cores, 1e-9))

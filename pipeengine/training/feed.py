@@ -168,7 +168,7 @@ class Feed:
     def sizes(self) -> list[float] | None:
         """With a packing: the microbatches of replica 0 (the largest count) of the data's first global batch, which
         :meth:`sample` gives the first of, each one's positions relative to that first's (a cost per token: the
-        predicted step follows the lengths); else None."""
+        split, auto's choice and the predicted step follow the lengths); else None."""
         if self.packing is None:
             return None
         shapes = self.packing.shapes(self._shares("train", 0)[0], self.batch.counts(self.dp)[0])

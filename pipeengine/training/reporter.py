@@ -51,21 +51,46 @@ class StepTimes:
     data: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
     tokens: list[tuple[int, int, int]] = field(default_factory=list)   # per step: real tokens, positions, Σ len²
+    # running sums (wall, real, positions, Σ len²) over every step and over the warm-up: rates in O(1) a step
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 4)
+    _warm_sums: list[float] = field(default_factory=lambda: [0.0] * 4)
 
     def add(self, wall: float, data: float, step: float, tokens: tuple[int, int, int] = (0, 0, 0)) -> None:
         self.walls.append(wall)
         self.data.append(data)
         self.steps.append(step)
         self.tokens.append(tokens)
+        for k, x in enumerate((wall, *tokens)):
+            self._sums[k] += x
+            if len(self.walls) <= self.warm:
+                self._warm_sums[k] += x
 
     def steady(self, xs: list[T]) -> list[T]:
         """The values after the warm-up (all of them while the run is still warming up)."""
         return xs[self.warm:] if len(xs) > self.warm else xs
 
+    def _steady_sums(self) -> list[float]:
+        if len(self.walls) > self.warm:
+            return [x - w for x, w in zip(self._sums, self._warm_sums)]
+        return list(self._sums)
+
+    def steady_tokens(self) -> tuple[int, int, int]:
+        """Real tokens, positions computed and Σ len² over the steps after the warm-up."""
+        _, real, positions, squares = (round(x) for x in self._steady_sums())
+        return real, positions, squares
+
+    @property
+    def steady_steps(self) -> int:
+        return len(self.walls) - self.warm if len(self.walls) > self.warm else len(self.walls)
+
+    @property
+    def steady_wall(self) -> float:
+        return self._steady_sums()[0]
+
     @property
     def steps_per_s(self) -> float:
-        walls = self.steady(self.walls)
-        return len(walls) / sum(walls) if walls and sum(walls) > 0 else 0.0
+        wall = self.steady_wall
+        return self.steady_steps / wall if self.steady_steps and wall > 0 else 0.0
 
     def shares(self, pipeline_parts: Mapping[str, float]) -> dict[str, float]:
         """The steady wall time split into :data:`STEP_PARTS` (the pipeline step's share split as measured)."""
@@ -123,26 +148,21 @@ class Reporter:
         flops = self.flops_per_sample()
         tflops = samples * flops / 1e12 / world if flops else None
         tokens = samples * self.tokens if self.tokens else None
-        real, positions, _ = self._steady_tokens()
+        real, positions, _ = self.times.steady_tokens()
         if positions:
-            tokens = real / sum(self.times.steady(self.times.walls))
+            tokens = real / self.times.steady_wall
         return {"steps_per_s": steps, "samples_per_s": samples, "tokens_per_s": tokens,
                 "padding_fraction": 1 - real / positions if positions else None,
                 "tflops_per_rank": tflops, "mfu": tflops / self.peak if tflops and self.peak else None}
 
-    def _steady_tokens(self) -> tuple[int, int, int]:
-        """Real tokens, positions computed and Σ len² over the steps after the warm-up."""
-        steady = self.times.steady(self.times.tokens)
-        return (sum(t[0] for t in steady), sum(t[1] for t in steady), sum(t[2] for t in steady))
-
     def flops_per_sample(self) -> float | None:
         """Model FLOPs per sample: the counted figure, or with sequences of their own lengths the mean over the steps
         after the warm-up of their real work (a n + b n² per sequence)."""
-        real, _, squares = self._steady_tokens()
+        real, _, squares = self.times.steady_tokens()
         if self.per_length is None or not real:
             return self.flops
         a, b = self.per_length
-        return (a * real + b * squares) / (len(self.times.steady(self.times.tokens)) * self.global_batch)
+        return (a * real + b * squares) / (self.times.steady_steps * self.global_batch)
 
     def peak_memory(self) -> dict[str, float]:
         """The largest peak over the positions gathered so far (this rank's own before the first gather)."""

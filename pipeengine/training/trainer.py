@@ -170,7 +170,7 @@ class Trainer:
         flops, per_length = None, None   # on the meta device; rows of their own: a sequence's FLOPs by its length
         if self.rank == 0 and self.model.packing is None:
             flops = flops_per_example(self.model.layers, self.feed.first_input())
-        elif self.rank == 0 and self.model.packing is not None:
+        elif self.rank == 0:
             per_length = flops_per_length(self.model.layers, self.model.packing.context)
         twin = run_twin(self.engine, recompute=cfg.recompute.policy, sample_inputs=self.feed.sample()[0],
                         baseline=self.baseline, build=cfg.optimizer.build, sizes=self.feed.sizes())
