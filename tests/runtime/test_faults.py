@@ -281,6 +281,7 @@ def _watch(timeout: float) -> Any:
     return w
 
 
+@pytest.mark.slow   # waits out a timeout: seconds
 def test_a_device_read_that_never_completes_is_reported_like_a_gloo_wait() -> None:
     """On NCCL the host blocks only where it reads device values (a header, the step's signals, timings);
     each read polls under the watch's deadline, so --timeout and the wait-for report work there too."""
@@ -462,6 +463,7 @@ def test_an_internal_error_names_where_in_the_engine_it_happened() -> None:
         r"tensors", said[0]), said[0]
 
 
+@pytest.mark.slow   # waits out a timeout: seconds
 def test_a_rank_silent_in_start_up_is_reported_and_a_slow_one_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before the process group exists and through set-up, a peer that stopped counting alive (SIGSTOP, dead) is
     reported after ``timeout`` by the rank that looks at it, from the watcher thread (the main thread may be blocked
