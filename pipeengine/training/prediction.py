@@ -64,11 +64,11 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> float:
 def optimizer_bandwidth(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
                         states: float, elements: int) -> float:
     """Bytes per second the end of a step passes over (parameters, gradients and optimizer state): the optimizer's
-    step, the gradients' norm and zeroing, timed on one parameter of a quarter of ``elements`` floats (the rank's
-    own: caches count about as they will; a quarter: the probe's parameter, gradient and state stay below the
-    optimizer state the run will hold, so it never sets the process's peak), at most 2**22; median of 5, after
-    one warm-up."""
-    elements = max(1024, min(elements // 4, 2**22))
+    step, the gradients' norm and zeroing, timed on one parameter of half of ``elements`` floats (the rank's own:
+    caches count about as they will, where a quarter stayed in them; half: the probe's parameter, gradient, state
+    and the optimizer's temporaries are half of what the run's step allocates beside the parameters it holds anyway,
+    so it never sets the process's peak), at most 2**22; median of 5, after one warm-up."""
+    elements = max(1024, min(elements // 2, 2**22))
     p = torch.nn.Parameter(torch.zeros(elements, device=device))
     p.grad = torch.full_like(p, 1e-3)
     opt = build([p])
@@ -119,14 +119,17 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     plan, device = engine.plan, engine.device
     group = engine.groups.pp_group
     beyond = 0.0 if device.type == "cuda" else max(0.0, resident_bytes(trim=True) - baseline - _model_bytes(engine))
+    mine = sum(p.numel() for p in engine.parameters)
+    facts = (run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs, mine)
+             if plan.measured else {})
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, beyond, group=group)
+    dist.all_gather_object(everyone, (beyond, mine, facts.get("optimizer_bandwidth")), group=group)
     if not plan.measured:
         return None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
-    runtime = {engine.topology.position_of(r): b for r, b in zip(ranks, everyone)}
-    facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
-                      sum(p.numel() for p in engine.parameters))
+    runtime = {engine.topology.position_of(r): b for r, (b, _, _) in zip(ranks, everyone)}
+    # the step waits for the fullest rank's optimizer: its own probe's speed (a small rank's probe fits in caches)
+    facts["optimizer_bandwidth"] = max(everyone, key=lambda e: e[1])[2]
     stages = plan.recompute or [recompute] * plan.num_stages
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
                    recompute=[parse_recompute(r) for r in stages],
