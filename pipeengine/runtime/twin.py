@@ -21,7 +21,7 @@ the host, :func:`predict` gives
   again: F, B and W); stretched when the node's processes want more cores than it has (no faster than the node's
   work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2
   (dp - 1) / dp`` of the gradient bytes over the link) and the optimizer's pass over its parameters, gradients and
-  state (a fixed part and the bytes over ``optimizer_bandwidth``, timed at start on the slowest rank's tensors).
+  state (bytes over ``optimizer_bandwidth``, timed at start).
 
 The prediction is a model, not a measurement: the summary shows the measured figures beside it
 (``predicted_step_s`` / ``median_step_s``, ``predicted_peak_memory_mib`` / ``peak_memory_mib``).
@@ -236,11 +236,10 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
             optimizer_states: float = 2, zero: bool = False, input_bytes: float = 0.0,
             runtime: float | Sequence[float] = 0.0,
             processes: int = 1, cores: float = 1.0, host: Host = HOST, optimizer_bandwidth: float = 5e9,
-            optimizer_fixed: float = 0.0, dp_bandwidth: float | None = None) -> Twin:
+            dp_bandwidth: float | None = None) -> Twin:
     """The twin of a run of ``schedule`` on ``bounds`` (see [Note: the twin]). ``processes`` x their threads want
     ``cores``: the node's ranks and cores (their ratio stretches compute when above 1); ``dp_bandwidth``: bytes/s of
-    the data-parallel all-reduce (None: the pipeline links', else 1 GB/s); ``optimizer_fixed``: seconds the end of
-    a step takes whatever the bytes (the optimizer's Python per parameter tensor)."""
+    the data-parallel all-reduce (None: the pipeline links', else 1 GB/s)."""
     stage = stage_costs(costs, bounds, schedule, host, recompute)
     comm = []
     for s in range(schedule.num_stages - 1):
@@ -256,7 +255,7 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
     bandwidth = dp_bandwidth or (min(links.bandwidth) if links is not None and links.bandwidth else 1e9)
     sync = 2 * (dp - 1) / dp * grads / bandwidth if dp > 1 else 0.0
     # the optimizer passes over parameters, gradients and state of its share (1 / dp of them under ZeRO-1)
-    opt = optimizer_fixed + (2 + 2 * optimizer_states) * grads / (dp if zero else 1) / optimizer_bandwidth
+    opt = (2 + 2 * optimizer_states) * grads / (dp if zero else 1) / optimizer_bandwidth
     parts = {"compute": compute, "host": host.per_step * share, "dp sync": sync,
              "optimizer": opt * share}
     where = f"; {processes} processes share {cores:g} cores" if share > 1 else ""

@@ -16,7 +16,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
 from .checks import partition_arg
 from .report import write_json
 
-__all__ = ["resident_bytes", "optimizer_states", "optimizer_cost", "run_facts", "run_twin",
+__all__ = ["resident_bytes", "optimizer_states", "optimizer_bandwidth", "run_facts", "run_twin",
            "node_cores", "build_engine", "dry_run"]
 
 
@@ -61,38 +61,28 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> float:
     return 2.0
 
 
-def optimizer_cost(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
-                   states: float, numels: Sequence[int]) -> tuple[float, float]:
-    """The end of a step over parameter tensors of these sizes (the rank's own), as (seconds a step, bytes per
-    second it passes over parameters, gradients and optimizer state): the optimizer's step, the gradients' norms
-    and zeroing, timed on as many tensors as the rank has, at a quarter and at half of their elements (at most
-    2**22 in all), and fitted as a fixed part (a step over many small tensors is Python per tensor: torch's CPU
-    optimizers loop over them) plus bytes over a bandwidth. Half, at most: the probe's parameters, gradients, state
-    and temporaries are half of what the run's step allocates beside the parameters it holds anyway, so it never
-    sets the process's peak. Each size: median of 5 runs, after one warm-up."""
-    numels = [n for n in numels if n > 0] or [1024]
-    f = min(0.5, 2**22 / sum(numels))
-    timed = []
-    for scale in (f / 2, f):
-        params = [torch.nn.Parameter(torch.zeros(max(1, round(n * scale)), device=device)) for n in numels]
-        grads = []
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-            grads.append(p.grad)
-        opt, runs = build(params), []
-        for _ in range(6):
-            synchronize(device)
-            t = time.perf_counter()
-            opt.step()
-            torch.stack([n.double() for n in torch._foreach_norm(grads)])
-            torch._foreach_zero_(grads)
-            synchronize(device)
-            runs.append(time.perf_counter() - t)
-            torch._foreach_add_(grads, 1e-3)
-        timed.append(((2 + 2 * states) * 4 * sum(p.numel() for p in params), statistics.median(runs[1:])))
-    (b1, t1), (b2, t2) = timed
-    per_byte = (t2 - t1) / (b2 - b1) if b2 > b1 and t2 > t1 else t2 / b2   # noise: all of it per byte
-    return max(0.0, t2 - per_byte * b2), 1 / max(per_byte, 1e-15)
+def optimizer_bandwidth(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
+                        states: float, elements: int) -> float:
+    """Bytes per second the end of a step passes over (parameters, gradients and optimizer state): the optimizer's
+    step, the gradients' norm and zeroing, timed on one parameter of a quarter of ``elements`` floats (the rank's
+    own: caches count about as they will; a quarter: the probe's parameter, gradient and state stay below the
+    optimizer state the run will hold, so it never sets the process's peak), at most 2**22; median of 5, after
+    one warm-up."""
+    elements = max(1024, min(elements // 4, 2**22))
+    p = torch.nn.Parameter(torch.zeros(elements, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = build([p])
+    times = []
+    for _ in range(6):
+        synchronize(device)
+        t = time.perf_counter()
+        opt.step()
+        torch.linalg.vector_norm(p.grad)
+        p.grad.zero_()
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+        p.grad.fill_(1e-3)
+    return (2 + 2 * states) * 4 * elements / max(statistics.median(times[1:]), 1e-9)
 
 
 def node_cores(device: torch.device) -> tuple[int, float]:
@@ -110,18 +100,16 @@ def _model_bytes(engine: PipelineEngine) -> float:
 
 
 def run_facts(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device, dp: int,
-              zero: bool, sample_inputs: Any, numels: Sequence[int]) -> dict[str, Any]:
+              zero: bool, sample_inputs: Any, elements: int) -> dict[str, Any]:
     """What the twin takes of the run beyond the plan (twin.predict's arguments): data parallelism, the optimizer's
-    state per parameter and cost (timed on tensors of sizes ``numels``, the rank's), the input's bytes, the cores,
-    the host."""
+    state per parameter and speed (timed on ``elements`` floats), the input's bytes, the cores, the host."""
     probe = torch.nn.Parameter(torch.zeros(1, device=device))
     states = optimizer_states(build([probe]))
     processes, cores = node_cores(device)
-    fixed, bandwidth = optimizer_cost(build, device, states, numels)
     return {"dp": dp, "zero": zero, "optimizer_states": states, "processes": processes, "cores": cores,
             "input_bytes": sum(t.numel() * t.element_size() for t in flat(sample_inputs)),
-            "host": HOST_CUDA if device.type == "cuda" else HOST, "optimizer_fixed": fixed,
-            "optimizer_bandwidth": bandwidth}
+            "host": HOST_CUDA if device.type == "cuda" else HOST,
+            "optimizer_bandwidth": optimizer_bandwidth(build, device, states, elements)}
 
 
 def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, baseline: float,
@@ -131,20 +119,14 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     plan, device = engine.plan, engine.device
     group = engine.groups.pp_group
     beyond = 0.0 if device.type == "cuda" else max(0.0, resident_bytes(trim=True) - baseline - _model_bytes(engine))
-    numels = [p.numel() for p in engine.parameters]
-    facts = (run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs, numels)
-             if plan.measured else {})
-    cost = (facts["optimizer_fixed"], facts["optimizer_bandwidth"]) if facts else None
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (beyond, sum(numels) * 4, cost), group=group)
+    dist.all_gather_object(everyone, beyond, group=group)
     if not plan.measured:
         return None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
-    runtime = {engine.topology.position_of(r): b for r, (b, _, _) in zip(ranks, everyone)}
-    # the step waits for the slowest rank's end of step, by its own probe (a small rank's probe fits in caches)
-    passes = 2 + 2 * facts["optimizer_states"]
-    slowest = max(everyone, key=lambda e: e[2][0] + passes * e[1] / e[2][1])
-    facts["optimizer_fixed"], facts["optimizer_bandwidth"] = slowest[2]
+    runtime = {engine.topology.position_of(r): b for r, b in zip(ranks, everyone)}
+    facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
+                      sum(p.numel() for p in engine.parameters))
     stages = plan.recompute or [recompute] * plan.num_stages
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
                    recompute=[parse_recompute(r) for r in stages],
@@ -163,9 +145,8 @@ def build_engine(cfg: Any, model: Any, topo: Any, feed: Any, device: torch.devic
     sample, sizes = (feed.sample(), feed.sizes()) if partition == "profile" else (None, None)
     cap, budget, facts = cfg.schedule.memory_cap, cfg.schedule.memory_budget, None
     if budget is not None and sample is not None:   # (a budget needs the profile: config.py)
-        # before the split is known: a rank's share, every pp-th parameter tensor of the model
-        numels = [p.numel() for m in sizing_layers(model.layers) for p in m.parameters()][::topo.pp]
-        facts = {**run_facts(cfg.optimizer.build, device, topo.dp, cfg.parallel.zero == 1, sample[0], numels),
+        elements = sum(p.numel() for m in sizing_layers(model.layers) for p in m.parameters()) // topo.pp
+        facts = {**run_facts(cfg.optimizer.build, device, topo.dp, cfg.parallel.zero == 1, sample[0], elements),
                  "runtime": lambda: (max(0.0, resident_bytes(trim=True) - baseline) if device.type != "cuda" else 0.0)}
     try:
         return PipelineEngine(

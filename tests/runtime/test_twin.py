@@ -12,7 +12,6 @@ from pipeengine.runtime.measured import LayerCost
 from pipeengine.runtime.planner import PartitionError
 from pipeengine.runtime.twin import BACKWARD_SET, Host, awaiting_w, predict, stage_costs, stage_memory
 from pipeengine.schedule import Costs, compile_schedule, simulate
-from tests.harness import WorldPool
 
 MB = 2**20
 FREE = Host(per_step=0.0, per_post=0.0, post_bandwidth=float("inf"))
@@ -101,8 +100,6 @@ def test_the_predicted_step_is_the_simulated_one_plus_the_end_of_the_step() -> N
     assert twin.parts["compute"] == pytest.approx(simulate(sched, Costs(4e-3, 4e-3, 4e-3)).makespan)
     assert twin.parts["host"] == 5e-3 and twin.parts["dp sync"] == 0
     assert twin.parts["optimizer"] == pytest.approx(6 * 16 * MB / (16 * MB / 1e-3))   # params, grads, 2 states
-    fixed = predict(layers(), [0, 4, 8], sched, optimizer_bandwidth=16 * MB / 1e-3, optimizer_fixed=2e-3)
-    assert fixed.parts["optimizer"] == pytest.approx(2e-3 + 6e-3)   # the tensors' Python, then the bytes
     assert twin.step_s == pytest.approx(sum(twin.parts.values()))
     shared = predict(layers(), [0, 4, 8], sched, host=FREE, processes=4, cores=2)   # pp 2 x dp 2 on 2 cores
     alone = predict(layers(), [0, 4, 8], sched, host=FREE)
@@ -157,58 +154,3 @@ def test_the_engine_runs_the_recompute_a_budget_chose(one_process_group: None) -
     assert all(torch.equal(a, b) for a, b in zip(free.parameters, tight.parameters))
     for e in (free, tight):
         e.close()
-
-
-def _twin_of_an_uneven_pipeline(rank: int, world: int) -> tuple[int, float, list[int]]:
-    """This rank's parameter count, the fixed optimizer cost its twin used, and the tensor sizes its probe was given
-    (the probe patched to report the rank's parameters as its fixed cost)."""
-    from pipeengine.runtime.topology import Topology
-    from pipeengine.training import prediction
-    probed: list[list[int]] = []
-    used: list[float] = []
-    probe, predict_ = prediction.optimizer_cost, prediction.predict
-
-    def fake_probe(build: object, device: object, states: float, numels: list[int]) -> tuple[float, float]:
-        probed.append(list(numels))
-        return float(sum(numels)), 1e30
-
-    def spy(*args: object, **kwargs: object) -> object:
-        used.append(float(kwargs["optimizer_fixed"]))   # type: ignore[arg-type]
-        return predict_(*args, **kwargs)   # type: ignore[arg-type]
-
-    prediction.optimizer_cost, prediction.predict = fake_probe, spy
-    try:
-        layers = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 256), nn.Linear(256, 8))]
-        build = lambda ps: torch.optim.SGD(ps, lr=0.1)   # noqa: E731
-        sample = (torch.randn(4, 8), torch.randn(4, 8))
-        engine = PipelineEngine(layers, nn.functional.mse_loss, build, topology=Topology(2, 1), microbatches=2,
-                                partition="profile", sample=sample)
-        prediction.run_twin(engine, recompute="none", sample_inputs=sample[0], baseline=0.0, build=build)
-        return sum(p.numel() for p in engine.parameters), used[0], probed[0]
-    finally:
-        prediction.optimizer_cost, prediction.predict = probe, predict_
-
-
-def test_the_end_of_the_step_is_the_slowest_ranks_by_its_own_probe(world2: WorldPool) -> None:
-    """The step ends when the slowest rank has stepped: every rank's twin takes that rank's probe (a small rank's
-    probe fits in caches and runs faster than the fullest rank's step); each rank probes its own tensors."""
-    (small, used_0, probed_0), (big, used_1, probed_1) = sorted(world2.run(_twin_of_an_uneven_pipeline, timeout=60))
-    assert small < big and (sum(probed_0), sum(probed_1)) == (small, big) and used_0 == used_1 == float(big)
-
-
-def test_the_optimizer_probe_takes_the_ranks_tensors_at_a_quarter_and_half_their_size() -> None:
-    """As many tensors as the rank has (torch's CPU optimizers loop over them in Python), at a quarter and half of
-    their elements: the probe's memory is at most half of what the run's step allocates, so it never sets the
-    process's peak; at most 2**22 elements in all. The cost it gives is positive."""
-    from pipeengine.training.prediction import optimizer_cost
-    seen: list[list[int]] = []
-
-    def build(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
-        seen.append([p.numel() for p in ps])
-        return torch.optim.AdamW(ps)
-
-    fixed, bandwidth = optimizer_cost(build, torch.device("cpu"), 2, [10_000, 30])
-    assert fixed >= 0 and bandwidth > 0 and seen == [[2_500, 8], [5_000, 15]]
-    seen.clear()
-    optimizer_cost(build, torch.device("cpu"), 2, [2**24])
-    assert seen == [[2**21], [2**22]]
