@@ -7,9 +7,10 @@ the host, :func:`predict` gives
 
 * **memory per position**, in five parts: parameters; gradients (one per trainable parameter byte);
   optimizer state (``optimizer_states`` per parameter byte, over dp under ZeRO-1); activations held between
-  F and B (per stage: the microbatches it holds at its peak, ``stage_peaks``, times what one keeps: its
-  layers' saved bytes, or under recompute only each region's input; a microbatch between its B and its W
-  also keeps the gradients W starts from, as the profile measured them); buffers (scratch: backward's
+  F and B (the most the position's program holds at once, walked in its order, :func:`held_activations`: each
+  microbatch from F until its release keeps its stage's layers' saved bytes, or under recompute only each
+  region's input; between a split B and its W also the gradients W starts from, as the profile measured them;
+  a V's two stages peak apart, so this is below the sum of their peaks); buffers (scratch: backward's
   working set while one microbatch is in B, :data:`BACKWARD_SET` times the largest layer's saved bytes, and
   under recompute the region recomputed; the wire's: the largest boundary tensor and its gradient per
   microbatch in flight; and ``runtime``: what the process holds beyond the model, measured before the first
@@ -115,6 +116,24 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
     return sum(inputs), max(sum(_kept(c) for c in r) for r in regions)
 
 
+def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float]) -> float:
+    """The most ``position`` holds at once of what its microbatches keep: per stage ``keep`` bytes from F until B
+    (until W when split) and ``for_w`` more from a split B until its W, walked in the order its program runs them
+    (the stages' own peaks need not come together: a V's two stages peak apart)."""
+    split = schedule.split_backwards()
+    held, waiting = [0] * schedule.chunks, [0] * schedule.chunks
+    stages = [schedule.stage(position, c) for c in range(schedule.chunks)]
+    peak = 0.0
+    for a in schedule.compute_actions(position):
+        held[a.chunk] += 1 if a.kind is Kind.F else -1 if schedule.releases(position, a, split) else 0
+        if a.kind is Kind.B and (position, a.microbatch, a.chunk) in split:
+            waiting[a.chunk] += 1
+        elif a.kind is Kind.W:
+            waiting[a.chunk] -= 1
+        peak = max(peak, sum(h * keep[s] + w * for_w[s] for h, w, s in zip(held, waiting, stages)))
+    return peak
+
+
 def awaiting_w(schedule: Schedule) -> dict[int, int]:
     """Per stage, the peak count of microbatches between their B and their W (split backward only): each keeps the
     gradients of its layers' outputs for W beside its activations."""
@@ -142,25 +161,25 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
     grads = [c.trainable_bytes for c in costs]
     beyond = [float(runtime)] * schedule.pp if isinstance(runtime, (int, float)) else [float(r) for r in runtime]
     peaks = stage_peaks(schedule) if not schedule.forward_only else {s: 0 for s in range(schedule.num_stages)}
-    waiting = awaiting_w(schedule)
     regions = per_stage(recompute, schedule.num_stages)
     out = []
     for p in range(schedule.pp):
         stages = [schedule.stage(p, c) for c in range(schedule.chunks)]
         params = sum(costs[i].param_bytes for s in stages for i in range(bounds[s], bounds[s + 1]))
         g = sum(grads[i] for s in stages for i in range(bounds[s], bounds[s + 1]))
-        acts, transient, boundary = 0.0, 0.0, 0.0
+        keep, for_w, transient, boundary = {}, {}, 0.0, 0.0
         for s in stages:
             layers = costs[bounds[s]:bounds[s + 1]]
             into = input_bytes if s == 0 else float(costs[bounds[s] - 1].output_bytes)
-            keep, extra = microbatch_activations(layers, regions[s], into)
-            acts += peaks[s] * keep + waiting[s] * sum(float(c.held_for_w or c.output_bytes) for c in layers)
+            keep[s], extra = microbatch_activations(layers, regions[s], into)
+            for_w[s] = sum(float(c.held_for_w or c.output_bytes) for c in layers)
             # B's working set beside the kept activations: a gradient per saved tensor of the layer it is in
             transient = max(transient, extra + BACKWARD_SET * max(_kept(c) for c in layers))
             boundary = max(boundary, into, float(layers[-1].output_bytes))
         # the optimizer's step, once the activations are gone, makes temporaries of about a layer's parameters
         transient = max(transient, *(float(c.param_bytes) for s in stages for c in costs[bounds[s]:bounds[s + 1]]))
         held = max((peaks[s] for s in stages), default=0)
+        acts = held_activations(schedule, p, keep, for_w) if not schedule.forward_only else 0.0
         out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts,
                                transient + 2 * boundary * (held + 1) + beyond[p]))
     return out

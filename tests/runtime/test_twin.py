@@ -76,6 +76,35 @@ def test_split_backward_keeps_output_gradients_until_w() -> None:
     assert split.activations == fused.activations + waiting[0] * 4 * MB   # zb-h1 holds what 1F1B holds, + grads
 
 
+def test_a_position_of_two_stages_peaks_once_not_once_per_stage() -> None:
+    """A V or interleaved position holds two stages whose peaks come at different times: its activations are the
+    most its program holds at once (walked microbatch by microbatch here), below the sum of the stages' peaks."""
+    from pipeengine.schedule.simulate import stage_peaks
+    for name in ("zbv", "interleaved-zb", "interleaved-1f1b"):
+        sched = compile_schedule(name, 2, 4)
+        bounds = [0, 2, 4, 6, 8]
+        mem = stage_memory(layers(), bounds, sched)
+        split, peaks, waiting = sched.split_backwards(), stage_peaks(sched), awaiting_w(sched)
+        for p in range(2):
+            live: set[tuple[int, int]] = set()   # (microbatch, chunk) from F to its release
+            kept: set[tuple[int, int]] = set()   # split: from B to W
+            most = 0.0
+            for a in sched.compute_actions(p):
+                key = (a.microbatch, a.chunk)
+                if a.kind.name == "F":
+                    live.add(key)
+                elif a.kind.name == "B" and (p, *key) in split:
+                    kept.add(key)
+                else:
+                    live.discard(key)
+                    kept.discard(key)
+                most = max(most, len(live) * 6 * MB + len(kept) * 2 * MB)   # 2 layers: 3 MiB kept, 1 MiB output
+            stages = [sched.stage(p, c) for c in range(2)]
+            each = sum(peaks[st] * 6 * MB + waiting[st] * 2 * MB for st in stages)
+            assert mem[p].activations == most, (name, p)
+            assert most < each, (name, p)
+
+
 def test_the_engine_cost_around_a_layer_counts_once_per_stage() -> None:
     sched = compile_schedule("1f1b", 1, 2)
     timed = layers(4, host=0.2e-3)   # each layer's profile holds 0.2 ms of the engine's own cost per phase
