@@ -336,14 +336,17 @@ class Stage:
                 run_backward(tuple(r for r, _ in pairs), tuple(g for _, g in pairs), saved.rest, keep_graph=False)
 
     def _count_nonfinite(self, i: int, tensors: Tensors) -> None:
-        """Keep each tensor's float64 sum in ``sums[i]``: one kernel per tensor, no host sync (NaN and inf carry)."""
-        self.sums[i].extend(t.detach().sum(dtype=torch.float64) for t in tensors)   # (no graph kept alive)
+        """Keep each tensor's sum in ``sums[i]``: one kernel per tensor, no host sync (NaN and inf carry). Summed in
+        float32 whatever the tensor's dtype (a half sum would overflow at 65504): only a tensor whose finite values
+        add up beyond 3e38 would be taken for non-finite, and float64 made the sum 17x slower on CPU (0.6 against
+        0.035 ms for a 512 Ki-element activation)."""
+        self.sums[i].extend(t.detach().sum(dtype=torch.float32) for t in tensors)   # (no graph kept alive)
 
     def nonfinite(self) -> torch.Tensor:
         """This step's (outputs or loss, input gradients) flags on the device: 1.0 where a NaN or inf went by."""
         device = device_of((), self.params)
-        return torch.stack([(~torch.isfinite(torch.stack(s).sum() if s else torch.zeros((), device=device))).double()
-                            for s in self.sums])
+        return torch.stack([(~torch.isfinite(torch.stack(s).double().sum() if s else torch.zeros((), device=device)))
+                            .double() for s in self.sums])
 
     def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
         if self.is_last:

@@ -59,3 +59,23 @@ def test_signal_vector_decodes_what_each_stage_added() -> None:
                              lambda st, r: f"layers of stage {st}, replica {r}")
     assert text.startswith("step 7: loss 2.5, gradient norm inf: the first non-finite forward output came from "
                            "stage 1 of replica 1 (layers of stage 1, replica 1)")
+
+
+def test_a_stage_flags_nan_and_inf_but_not_a_large_finite_half_tensor() -> None:
+    """The per-tensor sums the stage keeps carry a NaN, an inf and a -inf to its non-finite flag; a half-precision
+    activation whose finite values add up beyond the half range (65504) is not taken for non-finite (the sum is
+    accumulated in float32)."""
+    from torch import nn
+
+    from pipeengine.runtime.chain import LayerChain
+    from pipeengine.runtime.stage import Stage
+    ones = torch.ones(100_000, dtype=torch.float16)   # sums to 1e5: inf in half precision
+    for bad, flagged in ((None, 0.0), (float("nan"), 1.0), (float("inf"), 1.0), (-float("inf"), 1.0)):
+        stage = Stage(LayerChain([nn.Linear(2, 2)], 0), 1, 3, nn.functional.mse_loss, 1)
+        x = ones.clone()
+        if bad is not None:
+            x[7] = bad
+        stage._count_nonfinite(0, (x,))
+        big = torch.full((2,), 1e38)
+        stage._count_nonfinite(1, (big, big))   # two finite sums of 2e38: together beyond float32, not float64
+        assert stage.nonfinite().tolist() == [flagged, 0.0], bad
