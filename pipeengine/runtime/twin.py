@@ -41,7 +41,7 @@ from .links import Links
 from .measured import LayerCost, sized, with_transfers
 
 __all__ = ["MemoryParts", "Host", "HOST", "HOST_CUDA", "Twin", "stage_memory", "stage_costs", "predict", "per_stage",
-           "PARTS", "BACKWARD_SET"]
+           "PARTS", "BACKWARD_SET", "held_activations"]
 
 # B's working set beside the kept activations, in units of the largest layer's kept bytes: the gradients of its
 # saved tensors and the kernels' scratch (fitted on this machine: GPT and ResNet blocks on CPU, benchmarks/twin.py)
@@ -132,23 +132,6 @@ def held_activations(schedule: Schedule, position: int, keep: dict[int, float], 
             waiting[a.chunk] -= 1
         peak = max(peak, sum(h * keep[s] + w * for_w[s] for h, w, s in zip(held, waiting, stages)))
     return peak
-
-
-def awaiting_w(schedule: Schedule) -> dict[int, int]:
-    """Per stage, the peak count of microbatches between their B and their W (split backward only): each keeps the
-    gradients of its layers' outputs for W beside its activations."""
-    split = schedule.split_backwards()
-    out = {s: 0 for s in range(schedule.num_stages)}
-    for p in range(schedule.pp):
-        held = [0] * schedule.chunks
-        for a in schedule.compute_actions(p):
-            if a.kind is Kind.B and (p, a.microbatch, a.chunk) in split:
-                held[a.chunk] += 1
-            elif a.kind is Kind.W:
-                held[a.chunk] -= 1
-            stage = schedule.stage(p, a.chunk)
-            out[stage] = max(out[stage], held[a.chunk])
-    return out
 
 
 def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, *, optimizer_states: float = 2,

@@ -10,8 +10,8 @@ from pipeengine.runtime.budget import HEADROOM, fit_budget
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.measured import LayerCost
 from pipeengine.runtime.planner import PartitionError
-from pipeengine.runtime.twin import BACKWARD_SET, Host, awaiting_w, predict, stage_costs, stage_memory
-from pipeengine.schedule import Costs, compile_schedule, simulate
+from pipeengine.runtime.twin import BACKWARD_SET, Host, predict, stage_costs, stage_memory
+from pipeengine.schedule import Costs, Kind, Schedule, compile_schedule, simulate
 
 MB = 2**20
 FREE = Host(per_step=0.0, per_post=0.0, post_bandwidth=float("inf"))
@@ -21,6 +21,23 @@ def layers(n: int = 8, kept: int = 3 * MB, out: int = MB, params: int = 4 * MB, 
     """``n`` alike layers: 1 ms F, 2 ms fused backward (1 + 1 split), ``kept`` bytes saved beside their output."""
     return [LayerCost(1e-3, 1e-3, 1e-3, 2e-3, kept + out, params, output_bytes=out, host=(host, host, host, 2 * host))
             for _ in range(n)]
+
+
+def awaiting_w(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the peak count of microbatches between their B and their W (split backward only): each keeps the
+    gradients of its layers' outputs for W beside its activations."""
+    split = schedule.split_backwards()
+    out = {s: 0 for s in range(schedule.num_stages)}
+    for p in range(schedule.pp):
+        held = [0] * schedule.chunks
+        for a in schedule.compute_actions(p):
+            if a.kind is Kind.B and (p, a.microbatch, a.chunk) in split:
+                held[a.chunk] += 1
+            elif a.kind is Kind.W:
+                held[a.chunk] -= 1
+            stage = schedule.stage(p, a.chunk)
+            out[stage] = max(out[stage], held[a.chunk])
+    return out
 
 
 def test_memory_by_hand_for_1f1b() -> None:
