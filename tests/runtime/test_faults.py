@@ -511,7 +511,9 @@ import torch.distributed as dist
 from torch import nn
 import pipeengine
 
-os.sched_setaffinity(0, {0})   # one core and no forced GIL hand-off at the end: a Gloo thread alive at exit shows
+cores = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cores[int(sys.argv[3]) % len(cores)]})   # one core and no forced GIL hand-off at the end: a
+#                                                                  Gloo thread alive at exit shows
 dist.init_process_group("gloo")
 layers = [lambda: nn.Linear(8, 16), lambda: nn.Linear(16, 16), lambda: nn.Linear(16, 2)]
 engine = pipeengine.PipelineEngine(layers, nn.functional.cross_entropy, lambda ps: torch.optim.AdamW(ps),
@@ -533,20 +535,28 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("how", ["destroy-only", "with"])
-def test_a_script_ending_with_destroy_process_group_exits_0(how: str, tmp_path: Path) -> None:
+def test_a_script_ending_with_destroy_process_group_exits_0(tmp_path: Path) -> None:
     """The usual end of a torchrun script, with or without close() (``with engine:``), exits 0: no process group
     outlives destroy_process_group() (release.py, [Note: a clean exit]). Made likely to abort if one did: both ranks
-    on one core, no GIL hand-off at the end (it aborted in 7 of 8 runs before)."""
+    of a job on one core, no GIL hand-off at the end (it aborted in 7 of 8 runs before). The two jobs run at once,
+    each on a core of its own."""
     script = tmp_path / "script.py"
     script.write_text(_EXIT_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), how, str(tmp_path / "ck")], capture_output=True, text=True, timeout=150,
-                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "terminate called" not in proc.stderr
-    if how == "with":
-        assert "after close: this PipelineEngine was closed" in proc.stdout, proc.stdout
+    jobs = {how: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                   "2", str(script), how, str(tmp_path / how), str(core)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                                  env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            for core, how in enumerate(("destroy-only", "with"))}
+    try:
+        done = {how: job.communicate(timeout=150) for how, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+    for how, (out, err) in done.items():
+        assert jobs[how].returncode == 0, (how, out[-2000:] + err[-3000:])
+        assert "terminate called" not in err
+    assert "after close: this PipelineEngine was closed" in done["with"][0], done["with"][0]
 
 
 def _engines_one_after_another(rank: int, world: int) -> list[int]:
