@@ -4,11 +4,12 @@
 Under ``--packing pack`` a row holds several documents: the input is ``(tokens, positions,
 segments)`` (positions restart at each document, segment -1 at padding), the embedding passes
 ``(x, segments)`` on and each block attends only within a segment, causal inside (segments are
-contiguous runs of a row). On CPU, where reading the segments costs no device sync, a row attends
-document by document (``scaled_dot_product_attention``'s causal kernel on each run: the row costs
-its documents' Σ len², not len(row)²) unless its documents are short (``SPAN``: the kernel's fixed
-cost per call would outweigh it); other rows, and every row on an accelerator (where reading the
-boundaries would stall the stream), go through one boolean mask, which sends SDPA to its dense
+contiguous runs of a row). On CPU, where reading the segments costs no device sync, the rows that
+hold one document go through the causal kernel together, and a row of several attends document by
+document (``scaled_dot_product_attention``'s causal kernel on each run: the row costs its documents'
+Σ len², not len(row)²) unless its documents are short (``SPAN``: the kernel's fixed cost per call
+would outweigh it); other rows, and every row on an accelerator (where reading the boundaries would
+stall the stream), go through one boolean mask, which sends SDPA to its dense
 masked kernel (1.65× the causal one per position on CPU). ``pad`` and ``ragged`` rows hold one document each,
 padding after it, so plain causal attention never sees the padding. The target is ``(labels,
 weight)``: labels -100 at padding, and the weight makes the step's loss the mean over its real tokens
@@ -111,36 +112,38 @@ class Block(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None,
                 per_document: bool | None = None) -> torch.Tensor:
-        """Causal attention, within each segment of a packed row ([Note: packed rows]): row by row document by
-        document (``per_document`` True; None: on CPU, in rows whose documents average ``SPAN`` positions at
-        least), the other rows through one boolean mask."""
+        """Causal attention, within each segment of a packed row ([Note: packed rows]). Rows of one run (a document
+        filling the row) go through the causal kernel together; with ``per_document`` True every other row document
+        by document, with None (on CPU) those whose runs average ``SPAN`` positions at least; the rest through one
+        boolean mask."""
         p = self.dropout if self.training else 0.0
         if segments is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         b, t = segments.shape
-        starts: list[list[int] | None] = [None] * b
+        runs: list[list[int] | None] = [None] * b   # where a row's runs start, if it attends run by run
         if per_document or (per_document is None and segments.device.type == "cpu"):
             cuts: list[list[int]] = [[0] for _ in range(b)]
             for r, i in (segments[:, 1:] != segments[:, :-1]).nonzero().tolist():
                 cuts[r].append(i + 1)
-            starts = [c if per_document or len(c) <= max(1, t // SPAN) else None for c in cuts]
-        masked = [r for r in range(b) if starts[r] is None]
-        if masked:
-            rows = torch.tensor(masked) if len(masked) < b else slice(None)
-            mask = (segments[rows].unsqueeze(-1) == segments[rows].unsqueeze(-2)).tril_().unsqueeze(1)
-            by_mask = F.scaled_dot_product_attention(q[rows], k[rows], v[rows], attn_mask=mask, dropout_p=p)
-            if len(masked) == b:
-                return by_mask
-        out, m = [], 0
-        for r, c in enumerate(starts):
-            if c is None:
-                out.append(by_mask[m:m + 1])
-                m += 1
-            else:
-                out.append(torch.cat([F.scaled_dot_product_attention(
+            runs = [c if per_document or len(c) == 1 or len(c) * SPAN <= t else None for c in cuts]
+        out: dict[int, torch.Tensor] = {}
+        for rows, whole in (([r for r, c in enumerate(runs) if c is None], False),
+                            ([r for r, c in enumerate(runs) if c is not None and len(c) == 1], True)):
+            if not rows:
+                continue
+            pick = torch.tensor(rows) if len(rows) < b else slice(None)
+            mask = None if whole else (segments[pick].unsqueeze(-1) == segments[pick].unsqueeze(-2)).tril_()
+            y = F.scaled_dot_product_attention(q[pick], k[pick], v[pick], is_causal=whole, dropout_p=p,
+                                               attn_mask=None if mask is None else mask.unsqueeze(1))
+            if len(rows) == b:
+                return y
+            out.update((r, y[n:n + 1]) for n, r in enumerate(rows))
+        for r, c in enumerate(runs):
+            if c is not None and len(c) > 1:
+                out[r] = torch.cat([F.scaled_dot_product_attention(
                     q[r:r + 1, :, s:e], k[r:r + 1, :, s:e], v[r:r + 1, :, s:e], is_causal=True, dropout_p=p)
-                    for s, e in zip(c, c[1:] + [t])], dim=2))
-        return torch.cat(out)
+                    for s, e in zip(c, c[1:] + [t])], dim=2)
+        return torch.cat([out[r] for r in range(b)])
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x

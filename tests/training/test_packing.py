@@ -216,7 +216,7 @@ def test_the_gpt_loss_and_gradients_are_the_same_padded_packed_or_ragged() -> No
 def test_packed_attention_document_by_document_equals_the_masked_kernel() -> None:
     """On CPU a packed row attends document by document (no mask); that equals the boolean mask the GPT uses on
     CUDA, outputs and gradients, the padding after the last document included; so does the automatic choice, which
-    here sends the one-document row alone by its documents and the others through the mask."""
+    here sends the row of one document through the causal kernel and the others through the mask."""
     from pipeengine.models import gpt
     cfg = gpt.Config(block_size=16, n_layer=1, n_head=2, n_embd=8)
     block = gpt.build(cfg, seed=0)[1]
