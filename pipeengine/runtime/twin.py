@@ -10,7 +10,8 @@ the host, :func:`predict` gives
   F and B (the most the position's program holds at once, walked in its order, :func:`held_activations`: each
   microbatch from F until its release keeps its stage's layers' saved bytes, or under recompute only each
   region's input; between a split B and its W also the gradients W starts from, as the profile measured them;
-  a V's two stages peak apart, so this is below the sum of their peaks); buffers (scratch: backward's
+  at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together);
+  buffers (scratch: backward's
   working set while one microbatch is in B, :data:`BACKWARD_SET` times the largest layer's saved bytes, and
   under recompute the region recomputed; the wire's: the largest boundary tensor and its gradient per
   microbatch in flight; and ``runtime``: what the process holds beyond the model, measured before the first
@@ -119,18 +120,21 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
 def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float]) -> float:
     """The most ``position`` holds at once of what its microbatches keep: per stage ``keep`` bytes from F until B
     (until W when split) and ``for_w`` more from a split B until its W, walked in the order its program runs them
-    (the stages' own peaks need not come together: a V's two stages peak apart)."""
+    (at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together).
+    Nothing for a forward-only schedule."""
+    if schedule.forward_only:
+        return 0.0
     split = schedule.split_backwards()
-    held, waiting = [0] * schedule.chunks, [0] * schedule.chunks
-    stages = [schedule.stage(position, c) for c in range(schedule.chunks)]
-    peak = 0.0
+    live = peak = 0.0
     for a in schedule.compute_actions(position):
-        held[a.chunk] += 1 if a.kind is Kind.F else -1 if schedule.releases(position, a, split) else 0
-        if a.kind is Kind.B and (position, a.microbatch, a.chunk) in split:
-            waiting[a.chunk] += 1
-        elif a.kind is Kind.W:
-            waiting[a.chunk] -= 1
-        peak = max(peak, sum(h * keep[s] + w * for_w[s] for h, w, s in zip(held, waiting, stages)))
+        s = schedule.stage(position, a.chunk)
+        if a.kind is Kind.F:
+            live += keep[s]
+        elif a.kind is Kind.B and (position, a.microbatch, a.chunk) in split:
+            live += for_w[s]
+        else:   # a W, or a B that is not split: the microbatch's activations go (and with a W what it kept for W)
+            live -= keep[s] + (for_w[s] if a.kind is Kind.W else 0.0)
+        peak = max(peak, live)
     return peak
 
 
@@ -162,7 +166,7 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
         # the optimizer's step, once the activations are gone, makes temporaries of about a layer's parameters
         transient = max(transient, *(float(c.param_bytes) for s in stages for c in costs[bounds[s]:bounds[s + 1]]))
         held = max((peaks[s] for s in stages), default=0)
-        acts = held_activations(schedule, p, keep, for_w) if not schedule.forward_only else 0.0
+        acts = held_activations(schedule, p, keep, for_w)
         out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts,
                                transient + 2 * boundary * (held + 1) + beyond[p]))
     return out

@@ -512,8 +512,8 @@ from torch import nn
 import pipeengine
 
 cores = sorted(os.sched_getaffinity(0))
-os.sched_setaffinity(0, {cores[int(sys.argv[3]) % len(cores)]})   # one core and no forced GIL hand-off at the end: a
-#                                                                  Gloo thread alive at exit shows
+# one core and no forced GIL hand-off at the end: a Gloo thread alive at exit shows
+os.sched_setaffinity(0, {cores[int(sys.argv[3]) % len(cores)]})
 dist.init_process_group("gloo")
 layers = [lambda: nn.Linear(8, 16), lambda: nn.Linear(16, 16), lambda: nn.Linear(16, 2)]
 engine = pipeengine.PipelineEngine(layers, nn.functional.cross_entropy, lambda ps: torch.optim.AdamW(ps),
@@ -545,18 +545,23 @@ def test_a_script_ending_with_destroy_process_group_exits_0(tmp_path: Path) -> N
     jobs = {how: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                    "2", str(script), how, str(tmp_path / how), str(core)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                                  env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                  env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
             for core, how in enumerate(("destroy-only", "with"))}
+    done: dict[str, tuple[int | None, str, str]] = {}
+    deadline = time.monotonic() + 150
     try:
-        done = {how: job.communicate(timeout=150) for how, job in jobs.items()}
+        for how, job in jobs.items():   # (each job's output is small: its pipes do not fill while the other runs)
+            out, err = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            done[how] = (job.returncode, out, err)
     finally:
-        for job in jobs.values():
+        for job in jobs.values():   # torchrun and its ranks (a rank hung at exit would outlive its launcher)
             if job.poll() is None:
-                job.kill()
-    for how, (out, err) in done.items():
-        assert jobs[how].returncode == 0, (how, out[-2000:] + err[-3000:])
-        assert "terminate called" not in err
-    assert "after close: this PipelineEngine was closed" in done["with"][0], done["with"][0]
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+    failed = {how: (code, out[-2000:], err[-3000:]) for how, (code, out, err) in done.items()
+              if code != 0 or "terminate called" in err}
+    assert not failed, failed
+    assert "after close: this PipelineEngine was closed" in done["with"][1], done["with"][1]
 
 
 def _engines_one_after_another(rank: int, world: int) -> list[int]:
