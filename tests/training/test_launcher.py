@@ -360,6 +360,9 @@ def test_a_node_that_never_comes_and_a_killed_output_filter_are_said(tmp_path: P
     """NNODES=2:4 with node 1 never started: one line naming the rendezvous and the knobs (not torchrun's traceback
     with an empty message); the output filter (quiet.awk) killed under a running job: said, with torchrun's own
     exit status, not a bare 137."""
+    job = start_pipe_sh_job(tmp_path / "job", 1, "--model", "mlp", "--steps", "30")   # runs while the other waits
+    awk = next(pid for pid in _descendants(job.pid) if b"quiet.awk" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    os.kill(awk, signal.SIGKILL)
     port = str(free_port())
     alone = pipe_sh("1", "cpus", "--model", "mlp", "--steps", "2", "--log-dir", str(tmp_path), cwd=tmp_path,
                     env={"NNODES": "2:4", "NODE_RANK": "0", "MASTER_PORT": port, "RDZV_ID": "t", "RDZV_TIMEOUT": "2"})
@@ -368,9 +371,6 @@ def test_a_node_that_never_comes_and_a_killed_output_filter_are_said(tmp_path: P
         f"pipe.sh: the nodes' rendezvous timed out: fewer than 2 node(s) (NNODES=2:4) joined at 127.0.0.1:{port} "
         "within RDZV_TIMEOUT=2 s; start the other nodes (NODE_RANK=1, 2, ...) with the same NNODES, MASTER_ADDR, "
         "MASTER_PORT and RDZV_ID, or lower NNODES' minimum"), alone.stderr
-    job = start_pipe_sh_job(tmp_path / "job", 1, "--model", "mlp", "--steps", "30")
-    awk = next(pid for pid in _descendants(job.pid) if b"quiet.awk" in Path(f"/proc/{pid}/cmdline").read_bytes())
-    os.kill(awk, signal.SIGKILL)
     _, err = job.communicate(timeout=100)
     assert "pipe.sh: the output filter (quiet.awk) ended with status 137 (killed?)" in err, err
     assert job.returncode != 137 and f"torchrun exited {job.returncode}" in err, (job.returncode, err)
