@@ -248,3 +248,20 @@ def test_a_sequences_flops_follow_its_length_as_a_line_plus_a_square() -> None:
     for n in (1, 7, 33):
         counted = flops_per_example(layers, torch.zeros(n, dtype=torch.int64))
         assert fit[0] * n + fit[1] * n * n == pytest.approx(counted, rel=1e-9)
+
+
+def test_the_peak_starts_again_at_the_baseline() -> None:
+    """A process that held more before the run (a notebook, a test session) reports the run's own peak: on Linux the
+    resident high-water mark starts again where the baseline is taken."""
+    import os
+
+    from pipeengine.training.prediction import resident_bytes
+    from pipeengine.training.resources import peak_memory, set_baseline
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("no /proc/self/clear_refs: the peak is the process's")
+    big = torch.ones(100 * 2**20)   # 400 MiB, touched
+    del big
+    before = peak_memory(torch.device("cpu"))["rss"]
+    set_baseline(resident_bytes(trim=True))
+    after = peak_memory(torch.device("cpu"))
+    assert after["rss"] < before - 300 and after["above_baseline"] < 50, (before, after)
