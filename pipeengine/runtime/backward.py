@@ -46,6 +46,8 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, Node
 
+from . import direct
+
 SPLIT_SAFE = "split_backward_safe"   # a custom autograd.Function's promise, see the module docstring
 
 __all__ = ["SPLIT_SAFE", "WeightGroup", "Graph", "walk", "shape_of", "Recipe", "accumulators", "weight_groups",
@@ -78,6 +80,7 @@ class WeightGroup:
     nodes: list[Node]
     params: list[torch.Tensor]
     grads: dict[int, Grads] = field(default_factory=dict)   # node index -> the gradients kept in B
+    direct: direct.Plan | None = None   # how W runs it without autograd, if it can ([Note: W without the engine])
 
 
 @dataclass
@@ -141,19 +144,20 @@ class Recipe:
     W runs from the roots, as positions in the visiting order and in the parameter list."""
 
     custom: list[str]
-    groups: list[tuple[list[int], list[int]]]
+    groups: list[tuple[list[int], list[int], direct.Plan | None]]
     rest: list[int]
 
     @staticmethod
     def of(order: list[Node], custom: list[str], groups: list[WeightGroup],
            rest: list[torch.Tensor], params: Tensors) -> "Recipe":
         at, where = {n: i for i, n in enumerate(order)}, {id(p): i for i, p in enumerate(params)}
-        return Recipe(custom, [([at[n] for n in g.nodes], [where[id(p)] for p in g.params]) for g in groups],
+        return Recipe(custom, [([at[n] for n in g.nodes], [where[id(p)] for p in g.params],
+                                direct.plan(g.nodes, g.params)) for g in groups],
                       [where[id(p)] for p in rest])
 
     def apply(self, order: list[Node], params: Tensors) -> tuple[list[WeightGroup], list[torch.Tensor]]:
-        return ([WeightGroup([order[i] for i in nodes], [params[j] for j in ps]) for nodes, ps in self.groups],
-                [params[j] for j in self.rest])
+        return ([WeightGroup([order[i] for i in nodes], [params[j] for j in ps], direct=plan)
+                 for nodes, ps, plan in self.groups], [params[j] for j in self.rest])
 
 
 def _downstream(starts: list[Node], consumers: dict[Node, list[Node]]) -> set[Node]:
@@ -217,13 +221,24 @@ def _pin(grads: Grads, _incoming: Grads) -> Any:
 
 
 def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: list[WeightGroup]) -> None:
-    """B of a split backward: the inputs' gradients, keeping what arrives at every group's branch nodes."""
-    handles = [n.register_prehook(functools.partial(_keep, g.grads, i)) for g in groups for i, n in enumerate(g.nodes)]
+    """B of a split backward: the inputs' gradients, keeping what arrives at every group's branch nodes. A group of
+    one node has it captured by autograd's engine (the node's inputs given as ``inputs=``, no Python call per
+    node); a group of several by pre-hooks (W pins what reaches those nodes)."""
+    handles = [n.register_prehook(functools.partial(_keep, g.grads, i)) for g in groups for i, n in enumerate(g.nodes)
+               if len(g.nodes) > 1]
+    singles = [g for g in groups if len(g.nodes) == 1]
+    edges = [GradientEdge(g.nodes[0], k) for g in singles for k in range(len(g.nodes[0]._input_metadata))]
     try:
-        run_backward(roots, grads, inputs, keep_graph=True)
+        got = torch.autograd.Variable._execution_engine.run_backward(
+            roots, grads, True, False, inputs + tuple(edges), allow_unreachable=True, accumulate_grad=False)
     finally:
         for h in handles:
             h.remove()
+    at = len(inputs)
+    for g in singles:
+        n = len(g.nodes[0]._input_metadata)
+        g.grads[0] = tuple(got[at:at + n])
+        at += n
 
 
 def backward_weights(groups: list[WeightGroup]) -> None:
@@ -233,8 +248,10 @@ def backward_weights(groups: list[WeightGroup]) -> None:
     again), under one ``GraphExecGroup``: a layer that recomputes itself (``torch.utils.checkpoint``,
     non-reentrant) recomputes once in W, not once per group.
     """
-    with _exec_group():
+    with _exec_group(), torch.no_grad():   # (autograd's engine sets its own grad mode; direct W runs without)
         for group in groups:
+            if group.direct is not None and direct.run(group.direct, group.nodes[0], group.grads.get(0)):
+                continue
             edges = [(GradientEdge(n, k), g) for i, n in enumerate(group.nodes)
                      for k, g in enumerate(group.grads.get(i, ())) if g is not None]
             if not edges:

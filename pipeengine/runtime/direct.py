@@ -1,0 +1,182 @@
+"""W of a split backward without autograd's engine, for the layers most models are made of.
+
+[Note: W without the engine]
+An autograd call costs about 20 µs of host time before any arithmetic (a graph task, its dependencies,
+the walk for what ``inputs=`` needs), and W makes one per weight group ([Note: split backward] in
+backward.py): 72 for 12 GPT blocks, more host time than their whole fused backward. A group that is one
+branch node of a kind below, its parameters' AccumulateGrad nodes right behind it (through a transpose
+for a matmul's weight), needs none of it: W calls the kernel the node's own backward calls, with the
+output mask autograd gives it in W (the input path off), and accumulates as AccumulateGrad does (the
+gradient taken when the parameter had none, else added in place; then the parameter's post-accumulate
+hooks, which the gradient all-reduce uses).
+
+- ``AddmmBackward0`` (``nn.Linear`` with a bias) and ``MmBackward0`` (without): the weight's gradient is
+  ``mm_mat2_backward``'s product, the bias's the gradient summed to its shape (the engine's ``sum_to``).
+- ``NativeLayerNormBackward0``: ``native_layer_norm_backward`` with the mask [False, weight, bias].
+- ``ConvolutionBackward0``: ``convolution_backward`` with the mask [False, weight, bias].
+
+Same kernels, same arguments: the gradients are autograd's bit for bit (``tests/runtime/test_backward.py``
+checks every kind against the fused backward, with and without a bias).
+Anything else goes through autograd as before: another node kind, a cast or view between the node and
+a parameter, a group of several branch nodes, a saved tensor with hooks (``torch.utils.checkpoint``,
+offloading: their unpacking belongs to the engine), a parameter with a tensor hook (``register_hook``). Not
+seen: a hook registered on a parameter's AccumulateGrad node itself (use ``register_post_accumulate_grad_hook``).
+
+A stage whose every trained parameter is in such a layer (:func:`covers`) is not cut into segments ([Note:
+segments] in stage.py) when it runs in fp32 and is not the first: with no autograd call in W, a layer at a
+time would only add host time (12 tiny GPT blocks: B + W 1.45-1.48x the fused backward in one part,
+1.71-1.78x a layer at a time; ``benchmarks/split_backward.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+
+__all__ = ["Plan", "MODULES", "covers", "plan", "run"]
+
+Grads = list["torch.Tensor | None"]     # per output of a branch node: the gradient for the parameter it feeds
+
+
+@dataclass
+class Plan:
+    """One weight group of a graph shape: its node's kind and the parameter each of the node's outputs feeds (None:
+    none; the output mask asks for exactly those)."""
+
+    kind: str
+    targets: list[torch.Tensor | None]
+
+    @property
+    def mask(self) -> list[bool]:
+        return [t is not None for t in self.targets]
+
+
+MODULES = (nn.Linear, nn.LayerNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)   # torch's layers whose nodes are the kinds above
+
+
+def covers(module: nn.Module) -> bool:
+    """Every parameter of ``module`` that trains is one of a layer in :data:`MODULES` (that type exactly: a subclass
+    may compute otherwise), so W can run every group of its graph without autograd."""
+    return all(type(m) in MODULES for m in module.modules() if any(p.requires_grad for p in m.parameters(False)))
+
+
+def _param(edge: tuple[Node | None, int], transposed: bool) -> torch.Tensor | None:
+    """The parameter behind a node's output edge: an AccumulateGrad right there (or behind one TBackward0 when
+    ``transposed``); None if the edge is empty or leads elsewhere."""
+    node = edge[0]
+    if node is not None and transposed:
+        node = node.next_functions[0][0] if type(node).__name__ == "TBackward0" else None
+    if node is None or type(node).__name__ != "AccumulateGrad":
+        return None
+    variable: torch.Tensor = node.variable   # type: ignore[attr-defined]
+    return variable
+
+
+def _weights(node: Node) -> list[torch.Tensor | None] | None:
+    """Per output of ``node``: the parameter it feeds (None: the input path, or nothing), if its kind is one W
+    computes directly and its layout is the one listed in the module docstring; else None."""
+    kind, edges = type(node).__name__, node.next_functions
+    if kind == "AddmmBackward0":   # (bias, input, weight.t())
+        return [_param(edges[0], False), None, _param(edges[2], True)]
+    if kind == "MmBackward0":      # (input, weight.t())
+        return [None, _param(edges[1], True)]
+    if kind in ("NativeLayerNormBackward0", "ConvolutionBackward0"):   # (input, weight, bias)
+        return [None, _param(edges[1], False), _param(edges[2], False)]
+    return None
+
+
+def plan(nodes: list[Node], params: list[torch.Tensor]) -> Plan | None:
+    """How W computes a group of branch ``nodes`` and ``params`` without autograd, or None (see the module
+    docstring): one node, whose outputs feed exactly the group's parameters, one each."""
+    found = _weights(nodes[0]) if len(nodes) == 1 else None
+    if found is None:
+        return None
+    mine = [id(p) for p in found if p is not None]
+    if len(mine) != len(params) or set(mine) != {id(p) for p in params}:
+        return None
+    return Plan(type(nodes[0]).__name__, found)
+
+
+def _addmm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
+    """``AddmmBackward0`` (outputs: bias, input, weight.t()): see :func:`_weight`; the bias's gradient is ``grad``
+    summed to the bias's shape, as the engine's ``sum_to`` does."""
+    if node._raw_saved_mat1.unpack_hook is not None or node._saved_alpha != 1 or node._saved_beta != 1:
+        return None
+    bias, weight = plan.targets[0], plan.targets[2]
+    return [None if bias is None else grad.sum_to_size(bias.shape), None,
+            None if weight is None else _weight(node, grad, node._saved_mat1)]
+
+
+def _mm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
+    """``MmBackward0`` (outputs: input, weight.t()): see :func:`_weight`."""
+    if node._raw_saved_self.unpack_hook is not None:
+        return None
+    return [None, _weight(node, grad, node._saved_self)]
+
+
+def _weight(node: Any, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of W in ``x @ W.t()``: autograd's ``mm_mat2_backward`` (alpha 1) transposed back by TBackward0:
+    for a column-major ``mat2`` (the transpose of a contiguous W) ``grad.t() @ x`` transposed, else ``x.t() @
+    grad``."""
+    sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+    return grad.t().mm(x) if strides[0] == 1 and strides[1] == sizes[0] else x.t().mm(grad).t()
+
+
+def _layer_norm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
+    """``NativeLayerNormBackward0`` (outputs: input, weight, bias)."""
+    if (node._raw_saved_input.unpack_hook is not None or node._raw_saved_result1.unpack_hook is not None
+            or node._raw_saved_result2.unpack_hook is not None):
+        return None
+    return list(torch.ops.aten.native_layer_norm_backward(
+        grad, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+        node._saved_weight, node._saved_bias, plan.mask))
+
+
+def _convolution(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
+    """``ConvolutionBackward0`` (outputs: input, weight, bias)."""
+    if node._raw_saved_input.unpack_hook is not None:
+        return None
+    return list(torch.ops.aten.convolution_backward(
+        grad, node._saved_input, node._saved_weight, node._saved_bias_sym_sizes_opt, node._saved_stride,
+        node._saved_padding, node._saved_dilation, node._saved_transposed, node._saved_output_padding,
+        node._saved_groups, plan.mask))
+
+
+_KINDS: dict[str, Callable[[Any, torch.Tensor, Plan], Grads | None]] = {
+    "AddmmBackward0": _addmm, "MmBackward0": _mm, "NativeLayerNormBackward0": _layer_norm,
+    "ConvolutionBackward0": _convolution}
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    """What AccumulateGrad does with ``g``: taken as the gradient, in the parameter's layout, when there is none,
+    else added in place; then the parameter's post-accumulate hooks."""
+    if p.grad is None:
+        p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+    else:
+        p.grad.add_(g)
+    hooks: dict[Any, Callable[[torch.Tensor], None]] | None = p._post_accumulate_grad_hooks
+    for hook in (hooks or {}).values():
+        hook(p)
+
+
+def run(plan: Plan, node: Any, grads: tuple[torch.Tensor | None, ...] | None) -> bool:
+    """W of one group (its one branch node and the gradients kept there in B) without autograd; False where
+    autograd must run it instead. Call it with grad mode off."""
+    grad = grads[0] if grads else None
+    if grad is None:
+        return True   # no gradient arrived: nothing to add (as autograd with no edges)
+    targets = plan.targets
+    for p in targets:
+        if p is not None and p._backward_hooks:
+            return False
+    out = _KINDS[plan.kind](node, grad, plan)
+    if out is None:
+        return False
+    for p, g in zip(targets, out):
+        if p is not None and g is not None:
+            _accumulate(p, g)
+    return True

@@ -1,0 +1,187 @@
+"""W without autograd's engine ([Note: W without the engine] in pipeengine/runtime/direct.py): torch's layers whose
+weight gradients W computes itself give autograd's gradients bit for bit, with no autograd call; anything it cannot
+see through goes through autograd as before."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine.models import gpt
+from pipeengine.runtime import backward
+from pipeengine.runtime import stage as stage_module
+from pipeengine.runtime.chain import LayerChain
+from pipeengine.runtime.direct import covers
+from pipeengine.runtime.stage import Stage
+
+
+def _frozen(module: nn.Module, name: str) -> nn.Module:
+    getattr(module, name).requires_grad_(False)
+    return module
+
+
+class Flat(nn.Module):
+    """A 3-D input through a Linear as 2-D rows (``addmm`` without the view autograd puts around a 3-D one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.reshape(-1, 6)).reshape(x.shape)
+
+
+LAYERS: dict[str, Callable[[], nn.Module]] = {
+    "linear": lambda: nn.Linear(6, 6),
+    "linear 2-d": Flat,
+    "linear without bias": lambda: nn.Linear(6, 6, bias=False),
+    "linear, weight frozen": lambda: _frozen(nn.Linear(6, 6), "weight"),
+    "linear, bias frozen": lambda: _frozen(nn.Linear(6, 6), "bias"),
+    "layernorm": lambda: nn.LayerNorm(6),
+    "layernorm without bias": lambda: nn.LayerNorm(6, bias=False),
+    "conv1d": lambda: nn.Conv1d(4, 4, 3, padding=1),
+    "conv1d without bias, dilated": lambda: nn.Conv1d(4, 4, 3, padding=2, dilation=2, bias=False),
+    "conv1d grouped": lambda: nn.Conv1d(4, 4, 3, padding=1, groups=2),
+}
+
+
+def _run(layers: list[nn.Module], split: bool, x: torch.Tensor, gy: torch.Tensor,
+         monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[torch.Tensor | None], int]:
+    """Two microbatches through a middle stage (F, B, and W when split): the input gradients, the parameters'
+    gradients and the autograd calls W made."""
+    calls = []
+    for module in (backward, stage_module):
+        real = module.run_backward
+        monkeypatch.setattr(module, "run_backward", lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    stage = Stage(LayerChain(layers, 1), 1, 3, None, 2, segmented=True)
+    stage.reset()
+    for p in stage.module.parameters():
+        p.grad = None
+    grads = []
+    in_w = 0
+    for mb in range(2):
+        stage.forward(mb, x[mb].clone(), None, True)
+        grads.append(stage.backward(mb, (gy[mb],), split))
+        if split:
+            before = len(calls)
+            stage.backward_weight(mb)
+            in_w += len(calls) - before
+    monkeypatch.undo()
+    return grads, [p.grad for p in stage.module.parameters()], in_w
+
+
+def _bitwise(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
+                                         and torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_each_kind_is_bitwise_autograds_with_no_autograd_call_in_w(name: str, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """Two of the layer with a Tanh between (so the second's input path leads to the first's weights), float32 as
+    the trainer runs; W adds the second microbatch's gradients to the first's as AccumulateGrad does."""
+    make = LAYERS[name]
+    torch.manual_seed(0)
+    same = [make(), nn.Tanh(), make()]
+    torch.manual_seed(0)
+    layers = [make(), nn.Tanh(), make()]
+    assert covers(LayerChain(layers, 1))
+    x = torch.randn(2, 3, 4, 6)   # (microbatch, batch, channels or rows, length or features)
+    gy = torch.randn_like(x)
+    fused = _run(same, False, x, gy, monkeypatch)
+    split = _run(layers, True, x, gy, monkeypatch)
+    assert all(_bitwise(a, b) for ga, gb in zip(fused[0], split[0]) for a, b in zip(ga, gb))
+    assert len(fused[1]) == len(split[1]) and all(_bitwise(a, b) for a, b in zip(fused[1], split[1]))
+    # the first microbatch's W runs each layer's weight group through autograd (it is when the groups are
+    # found); the second's runs none
+    assert split[2] == 2, split[2]
+
+
+def test_a_gpt_stage_runs_w_with_no_autograd_call_after_its_first_microbatch(monkeypatch: pytest.MonkeyPatch
+                                                                             ) -> None:
+    torch.manual_seed(0)
+    cfg = gpt.Config(block_size=8, n_head=2, n_embd=8)
+    blocks = [gpt.Block(cfg) for _ in range(2)]
+    x, gy = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
+    fused = _run(blocks, False, x, gy, monkeypatch)
+    split = _run(blocks, True, x, gy, monkeypatch)
+    assert all(_bitwise(a, b) for ga, gb in zip(fused[0], split[0]) for a, b in zip(ga, gb))
+    assert all(_bitwise(a, b) for a, b in zip(fused[1], split[1]))
+    assert split[2] == 2 * 6   # the first microbatch: 6 groups a block (qkv, proj, fc, fc_proj, ln1, ln2)
+
+
+def test_a_tensor_hook_sends_its_group_through_autograd_and_post_accumulate_hooks_run_as_autograd_runs_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter's ``register_hook`` changes its gradient before it is added: W cannot see it, so autograd runs that
+    group; ``register_post_accumulate_grad_hook`` (the gradient all-reduce's) sees the same sums in the same order."""
+    seen: dict[bool, list[tuple[str, torch.Tensor]]] = {}
+    results = {}
+    for split in (False, True):
+        torch.manual_seed(0)
+        layers = [nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)]
+        layers[0].weight.register_hook(lambda g: g * 3)
+        log: list[tuple[str, torch.Tensor]] = []
+        for name, p in (("w0", layers[0].weight), ("b0", layers[0].bias), ("w2", layers[2].weight)):
+            p.register_post_accumulate_grad_hook(lambda q, name=name: log.append((name, q.grad.clone())))
+        x, gy = torch.randn(2, 3, 4, 6), torch.randn(2, 3, 4, 6)
+        results[split] = _run(layers, split, x, gy, monkeypatch)
+        seen[split] = log
+    assert all(_bitwise(a, b) for a, b in zip(results[False][1], results[True][1]))
+    assert sorted(n for n, _ in seen[False]) == sorted(n for n, _ in seen[True]) and len(seen[True]) == 6
+    fused = {}
+    for n, g in seen[False]:
+        fused.setdefault(n, []).append(g)
+    for n, g in seen[True]:   # per parameter, the running sums in microbatch order
+        assert _bitwise(g, fused[n].pop(0)), n
+    assert results[True][2] == 2 + 1   # microbatch 0: both groups; 1: the hooked weight's group only
+
+
+def test_what_w_computes_itself_is_torchs_own_layers_and_fp32() -> None:
+    assert covers(gpt.Block(gpt.Config()))
+    assert not covers(nn.Embedding(4, 4)) and not covers(nn.BatchNorm1d(4))
+
+    class MyLinear(nn.Linear):   # a subclass may compute otherwise
+        pass
+
+    assert not covers(MyLinear(2, 2))
+    assert covers(_frozen(nn.Sequential(nn.Linear(2, 2), nn.Embedding(3, 2)), "1"))   # frozen: no W at all
+    chain = LayerChain([gpt.Block(gpt.Config()) for _ in range(2)], 1)
+    assert not Stage(chain, 1, 3, None, 2, segmented=True).segmented
+    assert Stage(chain, 0, 3, None, 2, segmented=True).segmented   # the first: only its first layer from its roots
+    assert Stage(chain, 1, 3, None, 2, precision="bf16", segmented=True).segmented   # casts between: autograd
+
+
+class SelfRecompute(nn.Module):
+    """A layer that checkpoints itself: its saved tensors have torch.utils.checkpoint's unpack hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.runs = 0
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.inner(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self._inner, x, use_reentrant=False)
+
+
+def test_saved_tensors_with_hooks_go_through_autograd_so_a_checkpointed_layer_recomputes_once_in_w() -> None:
+    """Its W goes through autograd (its saved tensors' unpack hook belongs to the engine), every microbatch's, and
+    recomputes each layer once."""
+    torch.manual_seed(0)
+    layers = [SelfRecompute(), SelfRecompute()]
+    stage = Stage(LayerChain(layers, 1), 1, 3, None, 2, segmented=True)
+    assert not stage.segmented   # Linear layers only: W would run without autograd but for the hooks
+    stage.reset()
+    x, gy = torch.randn(2, 4, 6), torch.randn(2, 4, 6)
+    for mb in range(2):
+        stage.forward(mb, x[mb].clone(), None, True)
+        stage.backward(mb, (gy[mb],), True)
+        before = sum(m.runs for m in layers)
+        stage.backward_weight(mb)
+        assert sum(m.runs for m in layers) - before == 2, mb   # each layer once (one GraphExecGroup)
