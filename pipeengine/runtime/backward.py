@@ -7,8 +7,9 @@ input path again. Before B, the stage's graph is walked once (:func:`weight_grou
 parameter, the *branch nodes* are the first nodes on the input path (between the stage's inputs
 and its outputs) that its gradient flows through, e.g. the ``AddmmBackward`` of a Linear whose
 other operand came from the input. B runs with ``inputs=`` the stage's inputs (autograd then
-computes no weight branch at all) and a pre-hook on every branch node keeps the gradient
-arriving there. W starts from those nodes with the kept gradients and ``inputs=`` the parameters
+computes no weight branch at all) and keeps the gradient arriving at every branch node (the
+engine captures it, the node's inputs given as ``inputs=`` too; pre-hooks for a group of several
+nodes). W starts from those nodes with the kept gradients and ``inputs=`` the parameters
 of one group (parameters sharing a branch node), so autograd computes only ``dW``; the same
 node functions with the same incoming gradients as one fused backward, so the gradients are
 equal bit for bit. When a group has several branch nodes, one downstream of the other, pre-hooks
@@ -19,7 +20,9 @@ reaches the outputs without crossing the input path, the first stage (its inputs
 gradient: B is empty and W is the whole backward), and recomputed stages (every separate
 backward pass recomputes a region, so one pass over the roots is cheaper than one per group).
 
-W makes one autograd call per group, all under one ``GraphExecGroup``, so a layer that recomputes
+A group of one node of torch's common layers (Linear, LayerNorm, Conv) needs no autograd call in W
+at all ([Note: W without the engine] in direct.py). Otherwise W makes one autograd call per group, all
+under one ``GraphExecGroup``, so a layer that recomputes
 itself recomputes once in W, not once per group. Each call's cost grows with the graph below its branch
 nodes (autograd walks it to find what is needed), so a stage of several layers runs B and W a layer at a
 time ([Note: segments] in stage.py). The groups are found once per graph shape (:class:`Recipe`: node types,
