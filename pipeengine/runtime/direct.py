@@ -2,30 +2,32 @@
 
 [Note: W without the engine]
 An autograd call costs about 20 µs of host time before any arithmetic (a graph task, its dependencies,
-the walk for what ``inputs=`` needs), and W makes one per weight group ([Note: split backward] in
+the walk for what ``inputs=`` needs), and W made one per weight group ([Note: split backward] in
 backward.py): 72 for 12 GPT blocks, more host time than their whole fused backward. A group that is one
 branch node of a kind below, its parameters' AccumulateGrad nodes right behind it (through a transpose
-for a matmul's weight), needs none of it: W calls the kernel the node's own backward calls, with the
-output mask autograd gives it in W (the input path off), and accumulates as AccumulateGrad does (the
-gradient taken when the parameter had none, else added in place; then the parameter's post-accumulate
-hooks, which the gradient all-reduce uses).
+for a matmul's weight, and under autocast through the weight's cast, ``ToCopyBackward0``), needs none of
+it: W calls the kernel the node's own backward calls, with the output mask autograd gives it in W (the
+input path off), casts the result back as ToCopyBackward0 would, and accumulates as AccumulateGrad does
+(the gradient taken when the parameter had none, else added in place; then the parameter's
+post-accumulate hooks, which the gradient all-reduce uses).
 
 - ``AddmmBackward0`` (``nn.Linear`` with a bias) and ``MmBackward0`` (without): the weight's gradient is
   ``mm_mat2_backward``'s product, the bias's the gradient summed to its shape (the engine's ``sum_to``).
 - ``NativeLayerNormBackward0``: ``native_layer_norm_backward`` with the mask [False, weight, bias].
 - ``ConvolutionBackward0``: ``convolution_backward`` with the mask [False, weight, bias].
 
-Same kernels, same arguments: the gradients are autograd's bit for bit (``tests/runtime/test_backward.py``
-checks every kind against the fused backward, with and without a bias).
-Anything else goes through autograd as before: another node kind, a cast or view between the node and
-a parameter, a group of several branch nodes, a saved tensor with hooks (``torch.utils.checkpoint``,
-offloading: their unpacking belongs to the engine), a parameter with a tensor hook (``register_hook``). Not
-seen: a hook registered on a parameter's AccumulateGrad node itself (use ``register_post_accumulate_grad_hook``).
+Same kernels, same arguments: the gradients are autograd's bit for bit (``tests/runtime/test_direct.py``
+checks every kind, with and without a bias, frozen parts, and under bf16 autocast, against the fused
+backward). Anything else goes through autograd as before: another node kind, a view or another op
+between the node and a parameter, a group of several branch nodes, a saved tensor with hooks
+(``torch.utils.checkpoint``, offloading: their unpacking belongs to the engine), a parameter with a
+tensor hook (``register_hook``). Not seen: a hook registered on a parameter's AccumulateGrad node itself
+(use ``register_post_accumulate_grad_hook``).
 
-A stage whose every trained parameter is in such a layer (:func:`covers`) is not cut into segments ([Note:
-segments] in stage.py) when it runs in fp32 and is not the first: with no autograd call in W, a layer at a
-time would only add host time (12 tiny GPT blocks: B + W 1.45-1.48x the fused backward in one part,
-1.71-1.78x a layer at a time; ``benchmarks/split_backward.py``).
+A stage whose every trained parameter is in such a layer (:func:`covers`) is not cut into segments
+([Note: segments] in stage.py) unless it is the first: with no autograd call in W, a layer at a time would
+only add host time (12 tiny GPT blocks: B + W 1.42-1.46x the fused backward in one part, 1.71-1.78x a
+layer at a time; ``benchmarks/split_backward.py``).
 """
 
 from __future__ import annotations
@@ -65,11 +67,14 @@ def covers(module: nn.Module) -> bool:
 
 
 def _param(edge: tuple[Node | None, int], transposed: bool) -> torch.Tensor | None:
-    """The parameter behind a node's output edge: an AccumulateGrad right there (or behind one TBackward0 when
-    ``transposed``); None if the edge is empty or leads elsewhere."""
+    """The parameter behind a node's output edge: an AccumulateGrad right there, or behind one TBackward0 when
+    ``transposed``, and then behind autocast's cast (ToCopyBackward0); None if the edge is empty or leads
+    elsewhere."""
     node = edge[0]
     if node is not None and transposed:
         node = node.next_functions[0][0] if type(node).__name__ == "TBackward0" else None
+    if node is not None and type(node).__name__ == "ToCopyBackward0":
+        node = node.next_functions[0][0]
     if node is None or type(node).__name__ != "AccumulateGrad":
         return None
     variable: torch.Tensor = node.variable   # type: ignore[attr-defined]
@@ -152,8 +157,11 @@ _KINDS: dict[str, Callable[[Any, torch.Tensor, Plan], Grads | None]] = {
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    """What AccumulateGrad does with ``g``: taken as the gradient, in the parameter's layout, when there is none,
+    """What AccumulateGrad does with ``g``, first cast to the parameter's dtype and device as autocast's cast
+    (ToCopyBackward0) or the engine would: taken as the gradient, in the parameter's layout, when there is none,
     else added in place; then the parameter's post-accumulate hooks."""
+    if g.dtype != p.dtype or g.device != p.device:
+        g = g.to(device=p.device, dtype=p.dtype)
     if p.grad is None:
         p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
     else:

@@ -49,7 +49,7 @@ tiny GPT blocks W took 5.9 ms as one graph, 2.2 ms in parts (``benchmarks/split_
 stage gains too: only its first layer's inputs need no gradient, so only that layer's W runs from its roots.
 Not with recompute (its regions are the parts), nor when two layers share a parameter (W would then add its
 gradients in another order than the fused backward), nor where W needs no autograd call (a stage past the
-first, in fp32, of torch's layers only: [Note: W without the engine] in direct.py).
+first of torch's layers only: [Note: W without the engine] in direct.py).
 
 [Note: recompute]
 ``recompute="full"`` runs the stage's layers as one ``torch.utils.checkpoint`` region
@@ -172,7 +172,7 @@ class Stage:
         per_layer = [tuple(p for p in layer.parameters() if p.requires_grad) for layer in layers]
         shared = len({id(p) for ps in per_layer for p in ps}) < sum(map(len, per_layer))
         self.segmented = (segmented and per is None and len(layers) > 1 and not shared
-                          and (self.is_first or self.dtype is not None or not covers(module)))
+                          and (self.is_first or not covers(module)))
         self._part_params = per_layer if self.segmented else [self.params]
         self._recipes: list[dict[tuple[Any, ...], Recipe]] = [{} for _ in self._part_params]
         self._marks: list[dict[Any, int] | None] = [None] * len(self._part_params)   # AccumulateGrad node -> param
