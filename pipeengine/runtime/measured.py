@@ -30,6 +30,7 @@ class LayerCost:
     host: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     held_for_w: int = 0   # bytes a split backward's B keeps until W (gradients for the weights), when timed split
     grad_bytes: int | None = None   # bytes of its trainable parameters (their gradients); None: all of them
+    direct_w: bool = False   # its W needs no autograd call (direct.covers): a stage of such layers runs in one part
 
     @property
     def trainable_bytes(self) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 
 from .agree import gathered
 from .device import synchronize
+from .direct import covers
 from .hangs import ranks_text
 from .layers import LayerSpec, build_layer
 from .logs import log
@@ -207,7 +208,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
                                noise=spread, kind=layer_kind(layer, x, timer.kind), output_bytes=out_bytes,
                                host=host, held_for_w=timer.held_for_w,
                                grad_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()
-                                              if p.requires_grad)))
+                                              if p.requires_grad), direct_w=covers(layer)))
         x = timer.out
     return costs
 

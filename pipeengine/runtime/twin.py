@@ -18,7 +18,8 @@ the host, :func:`predict` gives
   step);
 * **the step time**: the simulated step of the lowered schedule with each stage's own costs and transfers, where a
   stage's F, B and W are its layers' measured phases with the engine's own cost counted once (the profile timed it
-  around every layer; a split backward runs a stage a layer at a time, so there it stays), plus posting the
+  around every layer; a split backward runs a stage a layer at a time unless W needs no autograd call, so
+  there it stays), plus posting the
   position's transfers (:class:`Host`), and under recompute B runs F again (and a split W runs from the roots
   again: F, B and W); stretched when the node's processes want more cores than it has (no faster than the node's
   work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2
@@ -201,8 +202,9 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
     for s in range(schedule.num_stages):
         layers = costs[bounds[s]:bounds[s + 1]]
         # the engine's own cost: once per stage, but once per layer where a split backward runs the stage a layer
-        # at a time ([Note: segments] in stage.py; not under recompute)
-        once = not split or regions[s] is not None
+        # at a time ([Note: segments] in stage.py; not under recompute, nor past the first stage where every
+        # layer's W needs no autograd call)
+        once = not split or regions[s] is not None or (s > 0 and all(c.direct_w for c in layers))
         phases = [sum(c.phases(split)[k] - once * c.host_phases(split)[k] for c in layers)
                   + once * max(c.host_phases(split)[k] for c in layers) for k in range(3)]
         p = schedule.placement(s)[0]

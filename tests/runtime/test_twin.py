@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -136,6 +138,10 @@ def test_the_engine_cost_around_a_layer_counts_once_per_stage() -> None:
     # a split backward runs the stage a layer at a time: there the cost around each layer is real
     split = stage_costs(layers(8, host=0.2e-3), [0, 4, 8], compile_schedule("zb-h1", 2, 4), host=FREE)
     assert split[0] == pytest.approx((4e-3, 4e-3, 4e-3))
+    # ... unless every layer's W needs no autograd call (torch's Linear, LayerNorm, Conv): one part past the first
+    direct = [dataclasses.replace(c, direct_w=True) for c in layers(8, host=0.2e-3)]
+    first, second = stage_costs(direct, [0, 4, 8], compile_schedule("zb-h1", 2, 4), host=FREE)
+    assert first == pytest.approx((4e-3, 4e-3, 4e-3)) and second == pytest.approx((4e-3 - 3 * 0.2e-3,) * 3)
 
 
 def test_posting_transfers_lengthens_the_actions_that_post_them() -> None:
