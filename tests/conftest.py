@@ -14,6 +14,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from tests.harness import WorldPool  # noqa: E402
+from tests.schedule import background  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The schedule sweep's slow pps start checking in the background (tests/schedule/background.py)."""
+    background.start(sorted(item.callspec.params["pp"] for item in items  # type: ignore[attr-defined]
+                            if item.originalname == "test_every_builder_validates_and_simulates"  # type: ignore
+                            and item.get_closest_marker("slow") is not None))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    background.stop()
 
 
 def _pool(world_size: int) -> Iterator[WorldPool]:

@@ -8,6 +8,7 @@ import pytest
 from pipeengine.schedule import (Costs, Schedule, ScheduleError, build_schedule, compile_schedule, format_schedule,
                                  parse_schedule, simulate, theoretical_bubble, validate)
 from pipeengine.schedule.builders import SYNTHESISED, synthesis_caps
+from tests.schedule import background
 
 
 def compute_rows(s: Schedule) -> list[str]:
@@ -110,10 +111,13 @@ def _microbatches(name: str, pp: int) -> list[int]:
 @pytest.mark.parametrize("pp", [pytest.param(pp, marks=[pytest.mark.slow] if pp >= 4 else []) for pp in range(1, 9)])
 def test_every_builder_validates_and_simulates(pp: int) -> None:
     """Every built-in schedule at pp 1..8 over m up to 4 pp: complete, paired and deadlock-free (compile
-    validates), simulated with uneven costs, and under the memory cap it was synthesised for."""
-    for (name, v) in SWEEP:
-        for m in _microbatches(name, pp):
-            _check_one(name, pp, m, v)
+    validates), simulated with uneven costs, and under the memory cap it was synthesised for. The slow pps are
+    checked by a background process started with the session (tests/schedule/background.py)."""
+    found = background.result(pp, timeout=100)
+    if found is False:
+        background.check(pp)
+    else:
+        assert found is None, found
 
 
 def _check_one(name: str, pp: int, m: int, v: int) -> None:
