@@ -108,10 +108,12 @@ def plan(nodes: list[Node], params: list[torch.Tensor]) -> Plan | None:
 
 def _addmm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
     """``AddmmBackward0`` (outputs: bias, input, weight.t()): see :func:`_weight`; the bias's gradient is ``grad``
-    summed to the bias's shape, as the engine's ``sum_to`` does."""
-    if node._raw_saved_mat1.unpack_hook is not None or node._saved_alpha != 1 or node._saved_beta != 1:
-        return None
+    summed to the bias's shape, as the engine's ``sum_to`` does (a bias of the gradient's own shape would get the
+    kept gradient itself: autograd decides whether that may become its .grad)."""
     bias, weight = plan.targets[0], plan.targets[2]
+    if (node._raw_saved_mat1.unpack_hook is not None or node._saved_alpha != 1 or node._saved_beta != 1
+            or (bias is not None and bias.shape == grad.shape)):
+        return None
     return [None if bias is None else grad.sum_to_size(bias.shape), None,
             None if weight is None else _weight(node, grad, node._saved_mat1)]
 

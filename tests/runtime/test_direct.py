@@ -187,3 +187,29 @@ def test_saved_tensors_with_hooks_go_through_autograd_so_a_checkpointed_layer_re
         before = sum(m.runs for m in layers)
         stage.backward_weight(mb)
         assert sum(m.runs for m in layers) - before == 2, mb   # each layer once (one GraphExecGroup)
+
+
+class FullBias(nn.Module):
+    """``addmm`` with a bias of the output's own shape: its gradient would be the kept gradient itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4, 6))
+        self.weight = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight.t())
+
+
+def test_a_bias_of_the_gradients_shape_goes_through_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its gradient would be the very tensor B kept (which autograd clones or takes as it sees fit): W leaves that
+    group to autograd; the gradients are the fused backward's."""
+    torch.manual_seed(0)
+    same, layers = [FullBias(), nn.Tanh(), FullBias()], [FullBias(), nn.Tanh(), FullBias()]
+    for a, b in zip(same, layers):
+        b.load_state_dict(a.state_dict())
+    x, gy = torch.randn(2, 4, 6), torch.randn(2, 4, 6)
+    fused = _run(same, False, x, gy, monkeypatch)
+    split = _run(layers, True, x, gy, monkeypatch)
+    assert all(_bitwise(a, b) for a, b in zip(fused[1], split[1]))
+    assert split[2] == 2 + 2   # autograd for both groups, both microbatches
