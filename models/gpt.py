@@ -1,17 +1,18 @@
 """A decoder-only transformer (GPT) as a layer list, LM head tied to the token embedding.
 
 [Note: packed rows]
-Under ``--packing pack`` a row holds several documents: the input is ``(tokens, positions,
-segments)`` (positions restart at each document, segment -1 at padding), the embedding passes
-``(x, segments)`` on and each block attends only within a segment, causal inside (segments are
-contiguous runs of a row). On CPU, where reading the segments costs no device sync, the rows that
-hold one document go through the causal kernel together, and a row of several attends document by
-document (``scaled_dot_product_attention``'s causal kernel on each run: the row costs its documents'
-Σ len², not len(row)²) unless its documents are short (``SPAN``: the kernel's fixed cost per call
-would outweigh it); other rows, and every row on an accelerator (where reading the boundaries would
-stall the stream), go through one boolean mask, which sends SDPA to its dense
-masked kernel (1.65× the causal one per position on CPU). ``pad`` and ``ragged`` rows hold one document each,
-padding after it, so plain causal attention never sees the padding. The target is ``(labels,
+Under ``--packing pack`` a row holds several documents, and so does ``ragged`` on CPU (a microbatch
+is one row of its documents end to end): the input is ``(tokens, positions, segments)`` (positions
+restart at each document, segment -1 at padding), the embedding passes ``(x, segments)`` on and each
+block attends only within a segment, causal inside (segments are contiguous runs of a row). On CPU,
+where reading the segments costs no device sync, the rows that hold one document go through the
+causal kernel together, and a row of several attends document by document
+(``scaled_dot_product_attention``'s causal kernel on each run: the row costs its documents' Σ len²,
+not len(row)²) unless the kernel's cost per call would outweigh it (``MASK``, ``CALL``); such rows,
+and every row on an accelerator (where reading the boundaries would stall the stream), go through
+one boolean mask, which sends SDPA to its dense masked kernel. ``pad`` rows, and ``ragged`` ones on
+an accelerator, hold one document each, padding after it, so plain causal attention never sees the
+padding. The target is ``(labels,
 weight)``: labels -100 at padding, and the weight makes the step's loss the mean over its real tokens
 (pipeengine/training/packing.py).
 """
@@ -36,9 +37,11 @@ from .presets import PRESETS
 
 __all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", "tied_parameters"]
 
-SPAN = 128   # CPU: a causal kernel call costs about what attending 100 positions does (forward and backward: a 1,024
-#              row of 64-position documents is cheaper through the mask, one of 256-position ones by documents), so
-#              a row whose runs (documents, and the padding after them) average fewer positions takes the mask
+# CPU, forward and backward: a row of t positions through the boolean mask costs about MASK t² (the dense kernel,
+# every pair), run by run Σ len² + CALL a run (the causal kernel; a call's own cost is about that of 290 positions
+# attending each other). Fitted on 1,024-position rows: of 64-position documents 105 ms by mask against 128 by
+# documents, of 256-position ones 112 against 54. A row takes the cheaper way.
+MASK, CALL = 1.2, 85_000
 
 
 @dataclass
@@ -114,8 +117,8 @@ class Block(nn.Module):
                 per_document: bool | None = None) -> torch.Tensor:
         """Causal attention, within each segment of a packed row ([Note: packed rows]). Rows of one run (a document
         filling the row) go through the causal kernel together; with ``per_document`` True every other row document
-        by document, with None (on CPU) those whose runs average ``SPAN`` positions at least; the rest through one
-        boolean mask."""
+        by document, with None (on CPU) those where that costs less than the mask; the rest through one boolean
+        mask."""
         p = self.dropout if self.training else 0.0
         if segments is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
@@ -125,7 +128,7 @@ class Block(nn.Module):
             cuts: list[list[int]] = [[0] for _ in range(b)]
             for r, i in (segments[:, 1:] != segments[:, :-1]).nonzero().tolist():
                 cuts[r].append(i + 1)
-            runs = [c if per_document or len(c) == 1 or len(c) * SPAN <= t else None for c in cuts]
+            runs = [c if per_document or len(c) == 1 or _by_run_is_cheaper(c, t) else None for c in cuts]
         out: dict[int, torch.Tensor] = {}
         for rows, whole in (([r for r, c in enumerate(runs) if c is None], False),
                             ([r for r, c in enumerate(runs) if c is not None and len(c) == 1], True)):
@@ -147,6 +150,12 @@ class Block(nn.Module):
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
+
+
+def _by_run_is_cheaper(starts: list[int], t: int) -> bool:
+    """A row of ``t`` positions whose runs start at ``starts``: attending run by run costs less than through the
+    mask (see MASK and CALL)."""
+    return sum((e - s) ** 2 for s, e in zip(starts, starts[1:] + [t])) + CALL * len(starts) <= MASK * t * t
 
 
 class Head(nn.Module):

@@ -12,14 +12,24 @@ Pure functions over the lengths decide the layout (microbatch -> rows -> the seq
   (tokens, positions, segments), positions restarting at 0 at each sequence and segments numbering the
   sequences of a row (-1 at pads), for a model that keeps attention within a segment. Rows are split
   until there are ``count`` of them at least, then cut into contiguous microbatches.
-- ``ragged``: one sequence a row, but each microbatch only as wide as its longest sequence: the sequences,
-  longest first, cut into ``count`` contiguous groups so that the costliest microbatch, rows x L x
-  (L + ``linear_cost``) for a group of longest length L (its attention and the rest), costs as little
-  as possible. Microbatches differ in shape; the longest come first.
+- ``ragged``: each microbatch of its own shape, of about equal cost (a sequence costs len x (len +
+  ``linear_cost``): its attention and the rest). Two layouts, for where the model runs:
+
+  - ``one_row`` (CPU, the default): each microbatch one row, its sequences end to end with nothing between
+    or after them, the input as for ``pack``: no padding at all, and a model that attends each sequence
+    alone pays its own length² (on CPU a kernel call per sequence is cheap). The sequences go to the
+    microbatches costliest first, each to the one that costs least so far (longest-processing-time first):
+    the costliest microbatch exceeds the least by one sequence's cost at most.
+  - one sequence a row (an accelerator, where a row of many sequences would take one kernel call per
+    sequence or a mask over the whole row): each microbatch as wide as its longest sequence, the input a
+    [rows, width] token tensor. The sequences, longest first, cut into ``count`` contiguous groups so that
+    the costliest microbatch, rows x L x (L + ``linear_cost``) for a group of longest length L, costs as
+    little as possible; the longest come first.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -42,6 +52,7 @@ class Packing:
     context: int              # positions per row (>= 1)
     pad_id: int = 0           # input token at padded positions
     linear_cost: float = 0.0  # ragged: a position's cost besides attention, in units of one attended position
+    one_row: bool = True      # ragged: a microbatch's sequences end to end in one row (CPU), or one a row
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -58,6 +69,8 @@ class Packing:
             return _chunks([[i] for i in range(len(lengths))], count)
         if self.mode == "pack":
             return _chunks(_split_largest(_first_fit_decreasing(lengths, self.context), count), count)
+        if self.one_row:
+            return [[group] for group in _balanced(lengths, count, self.linear_cost)]
         return [[[i] for i in group] for group in _ragged_groups(lengths, count, self.linear_cost)]
 
     def shapes(self, lengths: Sequence[int], count: int) -> list[tuple[int, int]]:
@@ -71,8 +84,9 @@ class Packing:
     def build(self, examples: Sequence[tuple[torch.Tensor, torch.Tensor]], count: int, weight: float
               ) -> list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]]:
         """The ``count`` microbatches of ``examples``: (input, (labels, weight)), the input a [rows, width]
-        token tensor, or for ``pack`` the tuple (tokens, positions, segments); labels are the targets, IGNORE
-        at pads; weight is ``weight`` as a 0-d float32 tensor, the same one in every microbatch."""
+        token tensor, or for ``pack`` and one-row ``ragged`` the tuple (tokens, positions, segments); labels are
+        the targets, IGNORE at pads; weight is ``weight`` as a 0-d float32 tensor, the same one in every
+        microbatch."""
         for i, (x, y) in enumerate(examples):
             if x.dim() != 1 or x.shape != y.shape:
                 raise ValueError(f"example {i}: input {tuple(x.shape)} and target {tuple(y.shape)}; "
@@ -82,7 +96,7 @@ class Packing:
         out: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []
         for rows in self.layout(lengths, count):
             tokens, labels, positions, segments = self._fill(examples, rows, self._width(lengths, rows))
-            out.append(((tokens, positions, segments) if self.mode == "pack" else tokens, (labels, w)))
+            out.append(((tokens, positions, segments) if self._segmented else tokens, (labels, w)))
         return out
 
     def _check(self, lengths: Sequence[int], count: int) -> None:
@@ -95,20 +109,28 @@ class Packing:
             if n < 1:
                 raise ValueError(f"sequence {i} is {n} tokens long; a sequence holds one token at least")
 
+    @property
+    def _segmented(self) -> bool:
+        """Rows of several sequences: the input carries positions and segments."""
+        return self.mode == "pack" or (self.mode == "ragged" and self.one_row)
+
     def _width(self, lengths: Sequence[int], rows: list[list[int]]) -> int:
-        """A microbatch's width: the context, or for ``ragged`` its first (longest) sequence's length."""
-        return lengths[rows[0][0]] if self.mode == "ragged" else self.context
+        """A microbatch's width: the context; for ``ragged`` its one row's sequences together, or one a row its
+        first (longest) sequence's length."""
+        if self.mode != "ragged":
+            return self.context
+        return sum(lengths[i] for i in rows[0]) if self.one_row else lengths[rows[0][0]]
 
     def _fill(self, examples: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: list[list[int]], width: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One microbatch's tokens, labels, positions and segments, [len(rows), width] each (positions and segments
-        filled for ``pack`` only: one sequence a row needs neither)."""
+        filled only for rows of several sequences: one sequence a row needs neither)."""
         shape = (len(rows), width)
         tokens = torch.full(shape, self.pad_id, dtype=torch.int64)
         labels = torch.full(shape, IGNORE, dtype=torch.int64)
         positions = torch.zeros(shape, dtype=torch.int64)
         segments = torch.full(shape, -1, dtype=torch.int64)
-        packed = self.mode == "pack"
+        packed = self._segmented
         for r, row in enumerate(rows):
             start = 0
             for slot, i in enumerate(row):
@@ -170,6 +192,20 @@ def _first_fit_decreasing(lengths: Sequence[int], context: int) -> list[list[int
             node //= 2
             room[node] = max(room[2 * node], room[2 * node + 1])
     return rows
+
+
+def _balanced(lengths: Sequence[int], count: int, linear_cost: float) -> list[list[int]]:
+    """The sequences in ``count`` groups of about equal cost, len x (len + linear_cost) each: costliest first
+    (equal costs by index), each to the group that costs least so far (the first of equals); a group's sequences
+    in the order they came. Every group gets one at least when there are ``count`` sequences or more."""
+    costs = [n * (n + linear_cost) for n in lengths]
+    groups: list[list[int]] = [[] for _ in range(count)]
+    loads = [(0.0, g) for g in range(count)]   # a heap of (cost so far, group)
+    for i in sorted(range(len(lengths)), key=lambda i: (-costs[i], i)):
+        load, g = heapq.heappop(loads)
+        groups[g].append(i)
+        heapq.heappush(loads, (load + costs[i], g))
+    return groups
 
 
 def _ragged_groups(lengths: Sequence[int], count: int, linear_cost: float) -> list[list[int]]:

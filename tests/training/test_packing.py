@@ -1,6 +1,6 @@
 """Packing: a step's variable-length sequences as padded, packed or ragged microbatches, every token where it was,
-every padded position ignored, and the layouts as the modes promise (first-fit decreasing, the least costly
-ragged cut)."""
+every padded position ignored, and the layouts as the modes promise (first-fit decreasing; ragged: one row a
+microbatch at about equal costs, or one sequence a row at the least costly cut)."""
 
 from __future__ import annotations
 
@@ -68,15 +68,19 @@ def check_build(p: Packing, lengths: list[int], count: int, seed: int) -> None:
     examples = examples_of(lengths, seed)
     built = p.build(examples, count, weight=0.375)
     assert len(built) == count
-    assert [tuple(x[0].shape if p.mode == "pack" else x.shape) for x, _ in built] == p.shapes(lengths, count)
+    rows_of_several = p.mode == "pack" or (p.mode == "ragged" and p.one_row)
+    assert [tuple(x[0].shape if rows_of_several else x.shape) for x, _ in built] == p.shapes(lengths, count)
     assert sum(numel(x) for x, _ in built) == p.positions(lengths, count)
     for rows, (x, (labels, w)) in zip(layout, built):
         assert w.dim() == 0 and w.dtype == torch.float32 and w.item() == 0.375
-        assert labels.dtype == torch.int64 and labels.shape == (x[0] if p.mode == "pack" else x).shape
-        if p.mode == "pack":
+        assert labels.dtype == torch.int64 and labels.shape == (x[0] if rows_of_several else x).shape
+        if rows_of_several:
             tokens, positions, segments = x
             assert all(t.dtype == torch.int64 for t in x)
-            assert all(sum(lengths[i] for i in row) <= p.context for row in rows)
+            if p.mode == "pack":
+                assert all(sum(lengths[i] for i in row) <= p.context for row in rows)
+            else:   # one row, its sequences end to end: no padding
+                assert len(rows) == 1 and tokens.shape[1] == sum(lengths[i] for i in rows[0])
         else:
             assert all(len(row) == 1 for row in rows) and x.dtype == torch.int64
             tokens, positions, segments = x, torch.zeros_like(x), torch.where(labels != IGNORE, 0, -1)
@@ -85,13 +89,14 @@ def check_build(p: Packing, lengths: list[int], count: int, seed: int) -> None:
             check_row(p, row, tokens[r], labels[r], positions[r], segments[r], examples)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_token_is_where_it_was_and_every_pad_is_ignored(mode: str) -> None:
-    rng = random.Random(f"packing {mode}")
+@pytest.mark.parametrize("mode,one_row", [(m, True) for m in MODES] + [("ragged", False)])
+def test_every_token_is_where_it_was_and_every_pad_is_ignored(mode: str, one_row: bool) -> None:
+    rng = random.Random(f"packing {mode} {one_row}")
     for n, count, context in CASES:
         for kind in KINDS:
             lengths = lengths_of(rng, kind, n, context)
-            p = Packing(mode, context, pad_id=rng.choice([0, 3]), linear_cost=rng.choice([0.0, 2.5, 64.0]))
+            p = Packing(mode, context, pad_id=rng.choice([0, 3]), linear_cost=rng.choice([0.0, 2.5, 64.0]),
+                        one_row=one_row)
             check_build(p, lengths, count, seed=rng.randrange(1 << 30))
 
 
@@ -138,8 +143,8 @@ def best_cost(lengths: list[int], count: int, linear_cost: float) -> float:
     return best[count][n]
 
 
-def test_ragged_finds_the_least_costly_cut() -> None:
-    p = Packing("ragged", 8)
+def test_ragged_one_sequence_a_row_finds_the_least_costly_cut() -> None:
+    p = Packing("ragged", 8, one_row=False)
     assert p.layout([2, 8, 3, 8, 1], 2) == [[[1], [3]], [[2], [0], [4]]]   # max(2 x 64, 3 x 9) = 128
     assert p.shapes([2, 8, 3, 8, 1], 2) == [(2, 8), (3, 3)]
     rng = random.Random(11)
@@ -147,20 +152,41 @@ def test_ragged_finds_the_least_costly_cut() -> None:
         n = rng.randint(1, 12)
         count, context = rng.randint(1, n), rng.choice([4, 16, 100])
         lengths = [rng.randint(1, context) for _ in range(n)]
-        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]))
+        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]), one_row=False)
         shapes = p.shapes(lengths, count)
         assert [w for _, w in shapes] == sorted((w for _, w in shapes), reverse=True)   # longest first
         worst = max(rows * w * (w + p.linear_cost) for rows, w in shapes)
         assert worst == pytest.approx(best_cost(lengths, count, p.linear_cost), rel=1e-9, abs=0)
 
 
+def test_ragged_one_row_a_microbatch_is_longest_processing_time_first_at_about_equal_cost() -> None:
+    """Costliest first, each sequence to the microbatch that costs least so far: the costliest microbatch exceeds
+    the least by one sequence's cost at most (and the mean by as much), and no position is padding."""
+    p = Packing("ragged", 8)
+    # costs n²: 64, 64, 9, 4, 1 -> 64 to 0, 64 to 1, 9 to 0 (the first of equals), 4 to 1, 1 to 1
+    assert p.layout([2, 8, 3, 8, 1], 2) == [[[1, 2]], [[3, 0, 4]]]
+    assert p.shapes([2, 8, 3, 8, 1], 2) == [(1, 11), (1, 11)]
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        count, context = rng.randint(1, n), rng.choice([4, 16, 100])
+        lengths = [rng.randint(1, context) for _ in range(n)]
+        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]))
+        cost = [x * (x + p.linear_cost) for x in lengths]
+        loads = [sum(cost[i] for i in rows[0]) for rows in p.layout(lengths, count)]
+        assert max(loads) - min(loads) <= max(cost) * (1 + 1e-12)
+        assert max(loads) <= sum(cost) / count + max(cost) * (1 + 1e-12)
+        assert p.positions(lengths, count) == sum(lengths)
+
+
 def test_ragged_wastes_far_less_than_pad_on_a_long_tail() -> None:
     rng = random.Random(5)
     lengths = [min(1024, max(1, round(rng.lognormvariate(math.log(120), 1.0)))) for _ in range(256)]
-    pad, ragged = padding(Packing("pad", 1024), lengths, 8), padding(Packing("ragged", 1024), lengths, 8)
+    pad, rows = padding(Packing("pad", 1024), lengths, 8), padding(Packing("ragged", 1024, one_row=False), lengths, 8)
+    one_row = padding(Packing("ragged", 1024), lengths, 8)
     print(f"padding on a long tail (median {sorted(lengths)[128]}, 256 sequences, 8 microbatches, context 1024): "
-          f"pad {pad:.3f}, ragged {ragged:.3f}")
-    assert ragged < pad / 2 and pad > 0.7
+          f"pad {pad:.3f}, ragged one a row {rows:.3f}, ragged one row {one_row:.3f}")
+    assert one_row == 0 and rows < pad / 2 and pad > 0.7
 
 
 def test_errors_say_what_is_wrong() -> None:
@@ -194,12 +220,13 @@ def test_the_gpt_loss_and_gradients_are_the_same_padded_packed_or_ragged() -> No
     examples = [(s[:-1], s[1:]) for s in seqs]
     real = sum(len(x) for x, _ in examples)
     results = {}
-    for mode in MODES:
+    for mode in (*MODES, "ragged, one a row"):
         torch.set_default_dtype(torch.float64)
         try:
             layers = gpt.build(cfg, seed=0)
             total = torch.zeros(())
-            for x, y in Packing(mode, cfg.block_size, linear_cost=192.0).build(examples, 3, 3 / real):
+            packing = Packing(mode.split(",")[0], cfg.block_size, linear_cost=192.0, one_row="," not in mode)
+            for x, y in packing.build(examples, 3, 3 / real):
                 for layer in layers:
                     x = layer(x)
                 total = total + gpt.loss_fn(x, y) / 3
@@ -207,7 +234,7 @@ def test_the_gpt_loss_and_gradients_are_the_same_padded_packed_or_ragged() -> No
         finally:
             torch.set_default_dtype(torch.float32)
         results[mode] = (total.detach(), [p.grad for layer in layers for p in layer.parameters()])
-    for mode in ("pack", "ragged"):
+    for mode in ("pack", "ragged", "ragged, one a row"):
         torch.testing.assert_close(results[mode][0], results["pad"][0], rtol=1e-12, atol=0)
         for got, want in zip(results[mode][1], results["pad"][1]):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
@@ -259,13 +286,13 @@ def test_a_torch_dataset_with_lengths_is_packed_by_the_feed() -> None:
     packing = Packing("ragged", 8)
     feed = Feed(Seqs(), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
     mbs = list(feed.train(0)[0])
-    assert len(mbs) == 2 and all(isinstance(x, torch.Tensor) and x.dim() == 2 for x, _ in mbs)
+    assert len(mbs) == 2 and all(isinstance(x, tuple) and x[0].shape[0] == 1 for x, _ in mbs)   # one row each
     real, positions, squares = feed.tokens(0)
     weight = mbs[0][1][1]
     assert float(weight) == pytest.approx(4 / real) and positions >= real   # 2 replicas x 2 microbatches
     assert real < squares <= 8 * real   # the sum of n² over sequences of 1 to 8 tokens, some longer than 1
     assert sum(int((y != IGNORE).sum()) for _, (y, _) in mbs) < real        # this replica's share only
     sizes = feed.sizes()   # replica 0's first microbatches, relative to the first (the profile's sample)
-    assert sizes is not None and len(sizes) == 2 and sizes[0] == 1.0 and sizes[1] <= 1.0   # ragged: widest first
+    assert sizes is not None and len(sizes) == 2 and sizes[0] == 1.0 and sizes[1] > 0   # ragged: widths of its own
     with pytest.raises(ValueError, match="a stream cannot be packed ahead"):
         Feed(iter(Seqs().seqs), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
