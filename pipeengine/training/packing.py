@@ -19,7 +19,7 @@ Pure functions over the lengths decide the layout (microbatch -> rows -> the seq
     or after them, the input as for ``pack``: no padding at all, and a model that attends each sequence
     alone pays its own length² (on CPU a kernel call per sequence is cheap). The sequences go to the
     microbatches costliest first, each to the one that costs least so far (longest-processing-time first):
-    the costliest microbatch exceeds the least by one sequence's cost at most.
+    the costliest microbatch exceeds the least by one sequence's cost at most. The widest come first.
   - one sequence a row (an accelerator, where a row of many sequences would take one kernel call per
     sequence or a mask over the whole row): each microbatch as wide as its longest sequence, the input a
     [rows, width] token tensor. The sequences, longest first, cut into ``count`` contiguous groups so that
@@ -197,7 +197,8 @@ def _first_fit_decreasing(lengths: Sequence[int], context: int) -> list[list[int
 def _balanced(lengths: Sequence[int], count: int, linear_cost: float) -> list[list[int]]:
     """The sequences in ``count`` groups of about equal cost, len x (len + linear_cost) each: costliest first
     (equal costs by index), each to the group that costs least so far (the first of equals); a group's sequences
-    in the order they came. Every group gets one at least when there are ``count`` sequences or more."""
+    in the order they came; the groups widest first (the first is what the profile times: memory is planned by
+    the largest). Every group gets one at least when there are ``count`` sequences or more."""
     costs = [n * (n + linear_cost) for n in lengths]
     groups: list[list[int]] = [[] for _ in range(count)]
     loads = [(0.0, g) for g in range(count)]   # a heap of (cost so far, group)
@@ -205,7 +206,7 @@ def _balanced(lengths: Sequence[int], count: int, linear_cost: float) -> list[li
         load, g = heapq.heappop(loads)
         groups[g].append(i)
         heapq.heappush(loads, (load + costs[i], g))
-    return groups
+    return sorted(groups, key=lambda group: -sum(lengths[i] for i in group))
 
 
 def _ragged_groups(lengths: Sequence[int], count: int, linear_cost: float) -> list[list[int]]:

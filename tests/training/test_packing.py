@@ -177,6 +177,8 @@ def test_ragged_one_row_a_microbatch_is_longest_processing_time_first_at_about_e
         assert max(loads) - min(loads) <= max(cost) * (1 + 1e-12)
         assert max(loads) <= sum(cost) / count + max(cost) * (1 + 1e-12)
         assert p.positions(lengths, count) == sum(lengths)
+        widths = [w for _, w in p.shapes(lengths, count)]
+        assert widths == sorted(widths, reverse=True)   # the widest first: the profile times it
 
 
 def test_ragged_wastes_far_less_than_pad_on_a_long_tail() -> None:
