@@ -1,20 +1,19 @@
 """A decoder-only transformer (GPT) as a layer list, LM head tied to the token embedding.
 
 [Note: packed rows]
-Under ``--packing pack`` a row holds several documents, and so does ``ragged`` on CPU (a microbatch
-is one row of its documents end to end): the input is ``(tokens, positions, segments)`` (positions
-restart at each document, segment -1 at padding), the embedding passes ``(x, segments)`` on and each
-block attends only within a segment, causal inside (segments are contiguous runs of a row). On CPU,
-where reading the segments costs no device sync, the rows that hold one document go through the
-causal kernel together, and a row of several attends document by document
-(``scaled_dot_product_attention``'s causal kernel on each run: the row costs its documents' Σ len²,
-not len(row)²) unless the kernel's cost per call would outweigh it (``MASK``, ``CALL``); such rows,
-and every row on an accelerator (where reading the boundaries would stall the stream), go through
-one boolean mask, which sends SDPA to its dense masked kernel. ``pad`` rows, and ``ragged`` ones on
-an accelerator, hold one document each, padding after it, so plain causal attention never sees the
-padding. The target is ``(labels,
-weight)``: labels -100 at padding, and the weight makes the step's loss the mean over its real tokens
-(pipeengine/training/packing.py).
+Under ``--packing pack`` a row holds several documents, and so does ``ragged`` on CPU at long
+contexts (a microbatch is one row of its documents end to end, ``ONE_ROW``): the input is
+``(tokens, positions, segments)`` (positions restart at each document, segment -1 at padding), the
+embedding passes ``(x, segments)`` on and each block attends only within a segment, causal inside
+(segments are contiguous runs of a row). On CPU, where reading the segments costs no device sync, the
+rows that hold one document go through the causal kernel together, and a row of several attends
+document by document (``scaled_dot_product_attention``'s causal kernel on each run: the row costs its
+documents' Σ len², not len(row)²) unless the kernel's cost per call would outweigh it (``MASK``,
+``CALL``); such rows, and every row on an accelerator (where reading the boundaries would stall the
+stream), go through one boolean mask, which sends SDPA to its dense masked kernel. ``pad`` rows, and
+other ``ragged`` ones, hold one document each, padding after it, so plain causal attention never sees
+the padding. The target is ``(labels, weight)``: labels -100 at padding, and the weight makes the
+step's loss the mean over its real tokens (pipeengine/training/packing.py).
 """
 
 from __future__ import annotations
@@ -42,6 +41,11 @@ __all__ = ["model", "Config", "presets", "layer_factories", "build", "loss_fn", 
 # attending each other). Fitted on 1,024-position rows: of 64-position documents 105 ms by mask against 128 by
 # documents, of 256-position ones 112 against 54. A row takes the cheaper way.
 MASK, CALL = 1.2, 85_000
+# ragged on CPU: a microbatch as one row of its documents end to end (no padding, a kernel call per document) where
+# a full row's positions cost (everything but attention, context x 12 n_embd) ONE_ROW calls' worth at least: with
+# documents cut at the context, padding them costs more than those calls then (GPT tiny-1k, small at 1,024: yes;
+# tiny at 64, small at 128: no, one a row is faster there: 23.1k against 17.7k tokens/s for the README's main job)
+ONE_ROW = 8
 
 
 @dataclass
@@ -228,4 +232,5 @@ def model(preset: str | None = None, data: str | None = None, dropout: float = 0
     cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, source.vocab_size))
     layers = layer_factories(cfg)
     return Model(layers, loss_fn, source, tied_parameters(len(layers)), preset=preset or "tiny",
-                 packing=Packing(packing, cfg.block_size, linear_cost=12.0 * cfg.n_embd))
+                 packing=Packing(packing, cfg.block_size, linear_cost=12.0 * cfg.n_embd,
+                                 one_row=12.0 * cfg.n_embd * cfg.block_size >= ONE_ROW * CALL))

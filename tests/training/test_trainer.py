@@ -343,25 +343,24 @@ def test_the_log_is_pythons_logging_with_the_rank_in_each_record(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("packing", ["pack", "ragged"])
 def test_tokens_per_s_counts_real_tokens_with_the_padding_beside_it(
-        packing: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Documents of their own lengths: tokens/s is the steady steps' real tokens over their wall time, and the
     padding fraction the positions they computed for nothing, in the summary, summary.json and TensorBoard
-    (none under ragged on CPU: a microbatch is one row of its documents end to end)."""
+    (ragged at this short context: one document a row, tests/training/test_packing.py)."""
     from pipeengine.models.documents import Documents
     from pipeengine.training.data import step_indices
     from pipeengine.training.packing import Packing
-    s = run(parse_args(["--model", "gpt", "--context", "32", "--packing", packing, "--steps", "5", "--log-dir",
+    s = run(parse_args(["--model", "gpt", "--context", "32", "--packing", "ragged", "--steps", "5", "--log-dir",
                         str(tmp_path), "--run-name", "r", "--quiet", "--eval-interval", "0"]))
     out = capsys.readouterr().out
     size, m = s["global_batch"], s["config"]["schedule"]["microbatches"]
     docs, steady = Documents(context=32), s["timed_steps"]
     lengths = [docs.lengths("train")[step_indices(docs, "train", t * size, 1234, size)].tolist() for t in steady]
     real = sum(sum(x) for x in lengths)
-    positions = sum(Packing(packing, 32, linear_cost=12.0 * 64).positions(x, m) for x in lengths)   # tiny: 64 wide
-    assert s["padding_fraction"] == pytest.approx(1 - real / positions, rel=1e-12)
-    assert (s["padding_fraction"] > 0) == (packing == "pack")
+    positions = sum(Packing("ragged", 32, linear_cost=12.0 * 64, one_row=False).positions(x, m)   # tiny: 64 wide
+                    for x in lengths)
+    assert s["padding_fraction"] == pytest.approx(1 - real / positions, rel=1e-12) and s["padding_fraction"] > 0
     assert s["tokens_per_s"] == pytest.approx(real / (s["wall_s_per_step"] * len(steady)), rel=1e-9)
     assert f"tokens/s (real tokens; padding {100 * s['padding_fraction']:.1f}% of the positions)" in out
     # model FLOPs: the real sequences' (a n + b n² each), the same wall time as tokens/s
