@@ -15,16 +15,16 @@ Pure functions over the lengths decide the layout (microbatch -> rows -> the seq
 - ``ragged``: each microbatch of its own shape, of about equal cost (a sequence costs len x (len +
   ``linear_cost``): its attention and the rest). Two layouts, for where the model runs:
 
-  - ``one_row`` (CPU, the default): each microbatch one row, its sequences end to end with nothing between
-    or after them, the input as for ``pack``: no padding at all, and a model that attends each sequence
-    alone pays its own length² (on CPU a kernel call per sequence is cheap). The sequences go to the
-    microbatches costliest first, each to the one that costs least so far (longest-processing-time first):
-    the costliest microbatch exceeds the least by one sequence's cost at most. The widest come first.
-  - one sequence a row (an accelerator, where a row of many sequences would take one kernel call per
-    sequence or a mask over the whole row): each microbatch as wide as its longest sequence, the input a
-    [rows, width] token tensor. The sequences, longest first, cut into ``count`` contiguous groups so that
-    the costliest microbatch, rows x L x (L + ``linear_cost``) for a group of longest length L, costs as
-    little as possible; the longest come first.
+  - ``one_row`` (for CPU, where a model attends each sequence alone cheaply): each microbatch one row, its
+    sequences end to end with nothing between or after them, the input as for ``pack``: no padding at all.
+    The sequences go to the microbatches costliest first, each to the one that costs least so far
+    (longest-processing-time first): the costliest microbatch exceeds the least by one sequence's cost at
+    most. The widest come first.
+  - one sequence a row (the default; for an accelerator, where a row of many sequences would take a kernel
+    call per sequence or a mask over the whole row, and for short sequences): each microbatch as wide as its
+    longest sequence, the input a [rows, width] token tensor. The sequences, longest first, cut into
+    ``count`` contiguous groups so that the costliest microbatch, rows x L x (L + ``linear_cost``) for a group
+    of longest length L, costs as little as possible; the longest come first.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Packing:
     context: int              # positions per row (>= 1)
     pad_id: int = 0           # input token at padded positions
     linear_cost: float = 0.0  # ragged: a position's cost besides attention, in units of one attended position
-    one_row: bool = True      # ragged: a microbatch's sequences end to end in one row (CPU), or one a row
+    one_row: bool = False     # ragged: a microbatch's sequences end to end in one row (CPU), or one a row
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

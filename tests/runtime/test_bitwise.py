@@ -23,12 +23,13 @@ SPLITS = [(1, "1f1b", 1, "uniform"),
 
 
 def documents(mode: str, context: int, g: torch.Generator) -> list[Any]:
-    """A step's microbatches of 3 x M sequences of random lengths, laid out by a Packing."""
+    """A step's microbatches of 3 x M sequences of random lengths, laid out by a Packing (mode "ragged one row":
+    ragged, a microbatch one row)."""
     from pipeengine.training.packing import Packing
     lengths = torch.randint(1, context + 1, (3 * M,), generator=g)
     seqs = [torch.randint(0, 256, (int(n) + 1,), generator=g) for n in lengths]
-    return Packing(mode, context, linear_cost=12.0 * 32).build([(s[:-1], s[1:]) for s in seqs], M,
-                                                               M / sum(len(s) - 1 for s in seqs))
+    packing = Packing(mode.split()[0], context, linear_cost=12.0 * 32, one_row="row" in mode)
+    return packing.build([(s[:-1], s[1:]) for s in seqs], M, M / sum(len(s) - 1 for s in seqs))
 
 
 def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, precision: str) -> dict[str, Any]:
@@ -47,8 +48,8 @@ def train(rank: int, world: int, schedule: str, chunks: int, partition: Any, pre
         g = torch.Generator().manual_seed(step)
         seq = torch.randint(0, 256, (M * ROWS, cfg.block_size + 1), generator=g)
         data = [(seq[k * ROWS:(k + 1) * ROWS, :-1], seq[k * ROWS:(k + 1) * ROWS, 1:]) for k in range(M)]
-        if variant == "documents":   # of random lengths, ragged and packed by turns: shapes of their own
-            data = documents("ragged" if step % 2 else "pack", cfg.block_size, g)
+        if variant == "documents":   # of random lengths, packed, ragged, ragged one row by turns: shapes of their own
+            data = documents(("pack", "ragged", "ragged one row")[step % 3], cfg.block_size, g)
         losses.append(engine.train_batch(iter(data)).loss)
     params = {k: v.clone() for k, v in engine.state_dict().items() if k.startswith("layers.")}
     return {"losses": losses, "params": params}

@@ -38,14 +38,15 @@ def model_config(layers: int) -> gpt.Config:
 
 def step_data(step: int, dp: int, m: int) -> list[list[tuple[Any, Any]]]:
     """Each replica's m microbatches of the step: 2-4 sequences a microbatch of random lengths 1..context, packed
-    or ragged at random, weighted so the loss is the mean over the global batch's real tokens (every configuration
-    of one dp and m trains on the same stream: one reference run serves them all)."""
+    or ragged (one a row, or one row a microbatch) at random, weighted so the loss is the mean over the global
+    batch's real tokens (every configuration of one dp and m trains on the same stream: one reference run serves
+    them all)."""
     rng = random.Random(step * 7 + dp * 3 + m)
-    mode = rng.choice(["pack", "ragged"])
+    mode = rng.choice(["pack", "ragged", "ragged one row"])
     seqs = [[torch.tensor([rng.randrange(256) for _ in range(rng.randint(1, CFG.block_size) + 1)])
              for _ in range(rng.randint(2, 4) * m)] for _ in range(dp)]
     real = sum(len(s) - 1 for share in seqs for s in share)
-    packing = Packing(mode, CFG.block_size, linear_cost=rng.choice([0.0, 96.0]))
+    packing = Packing(mode.split()[0], CFG.block_size, linear_cost=rng.choice([0.0, 96.0]), one_row="row" in mode)
     return [packing.build([(s[:-1].clone(), s[1:].clone()) for s in share], m, dp * m / real) for share in seqs]
 
 

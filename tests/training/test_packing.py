@@ -89,7 +89,7 @@ def check_build(p: Packing, lengths: list[int], count: int, seed: int) -> None:
             check_row(p, row, tokens[r], labels[r], positions[r], segments[r], examples)
 
 
-@pytest.mark.parametrize("mode,one_row", [(m, True) for m in MODES] + [("ragged", False)])
+@pytest.mark.parametrize("mode,one_row", [(m, False) for m in MODES] + [("ragged", True)])
 def test_every_token_is_where_it_was_and_every_pad_is_ignored(mode: str, one_row: bool) -> None:
     rng = random.Random(f"packing {mode} {one_row}")
     for n, count, context in CASES:
@@ -144,7 +144,7 @@ def best_cost(lengths: list[int], count: int, linear_cost: float) -> float:
 
 
 def test_ragged_one_sequence_a_row_finds_the_least_costly_cut() -> None:
-    p = Packing("ragged", 8, one_row=False)
+    p = Packing("ragged", 8)
     assert p.layout([2, 8, 3, 8, 1], 2) == [[[1], [3]], [[2], [0], [4]]]   # max(2 x 64, 3 x 9) = 128
     assert p.shapes([2, 8, 3, 8, 1], 2) == [(2, 8), (3, 3)]
     rng = random.Random(11)
@@ -152,7 +152,7 @@ def test_ragged_one_sequence_a_row_finds_the_least_costly_cut() -> None:
         n = rng.randint(1, 12)
         count, context = rng.randint(1, n), rng.choice([4, 16, 100])
         lengths = [rng.randint(1, context) for _ in range(n)]
-        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]), one_row=False)
+        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]))
         shapes = p.shapes(lengths, count)
         assert [w for _, w in shapes] == sorted((w for _, w in shapes), reverse=True)   # longest first
         worst = max(rows * w * (w + p.linear_cost) for rows, w in shapes)
@@ -162,7 +162,7 @@ def test_ragged_one_sequence_a_row_finds_the_least_costly_cut() -> None:
 def test_ragged_one_row_a_microbatch_is_longest_processing_time_first_at_about_equal_cost() -> None:
     """Costliest first, each sequence to the microbatch that costs least so far: the costliest microbatch exceeds
     the least by one sequence's cost at most (and the mean by as much), and no position is padding."""
-    p = Packing("ragged", 8)
+    p = Packing("ragged", 8, one_row=True)
     # costs n²: 64, 64, 9, 4, 1 -> 64 to 0, 64 to 1, 9 to 0 (the first of equals), 4 to 1, 1 to 1
     assert p.layout([2, 8, 3, 8, 1], 2) == [[[1, 2]], [[3, 0, 4]]]
     assert p.shapes([2, 8, 3, 8, 1], 2) == [(1, 11), (1, 11)]
@@ -171,7 +171,7 @@ def test_ragged_one_row_a_microbatch_is_longest_processing_time_first_at_about_e
         n = rng.randint(1, 40)
         count, context = rng.randint(1, n), rng.choice([4, 16, 100])
         lengths = [rng.randint(1, context) for _ in range(n)]
-        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]))
+        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]), one_row=True)
         cost = [x * (x + p.linear_cost) for x in lengths]
         loads = [sum(cost[i] for i in rows[0]) for rows in p.layout(lengths, count)]
         assert max(loads) - min(loads) <= max(cost) * (1 + 1e-12)
@@ -184,8 +184,8 @@ def test_ragged_one_row_a_microbatch_is_longest_processing_time_first_at_about_e
 def test_ragged_wastes_far_less_than_pad_on_a_long_tail() -> None:
     rng = random.Random(5)
     lengths = [min(1024, max(1, round(rng.lognormvariate(math.log(120), 1.0)))) for _ in range(256)]
-    pad, rows = padding(Packing("pad", 1024), lengths, 8), padding(Packing("ragged", 1024, one_row=False), lengths, 8)
-    one_row = padding(Packing("ragged", 1024), lengths, 8)
+    pad, rows = padding(Packing("pad", 1024), lengths, 8), padding(Packing("ragged", 1024), lengths, 8)
+    one_row = padding(Packing("ragged", 1024, one_row=True), lengths, 8)
     print(f"padding on a long tail (median {sorted(lengths)[128]}, 256 sequences, 8 microbatches, context 1024): "
           f"pad {pad:.3f}, ragged one a row {rows:.3f}, ragged one row {one_row:.3f}")
     assert one_row == 0 and rows < pad / 2 and pad > 0.7
@@ -285,7 +285,7 @@ def test_a_torch_dataset_with_lengths_is_packed_by_the_feed() -> None:
         def lengths(self) -> list[int]:
             return [len(s) - 1 for s in self.seqs]
 
-    packing = Packing("ragged", 8)
+    packing = Packing("ragged", 8, one_row=True)
     feed = Feed(Seqs(), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
     mbs = list(feed.train(0)[0])
     assert len(mbs) == 2 and all(isinstance(x, tuple) and x[0].shape[0] == 1 for x, _ in mbs)   # one row each
