@@ -18,10 +18,10 @@ from tests.schedule import background  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The schedule sweep's slow pps start checking in the background (tests/schedule/background.py)."""
-    background.start(sorted(item.callspec.params["pp"] for item in items  # type: ignore[attr-defined]
-                            if item.originalname == "test_every_builder_validates_and_simulates"  # type: ignore
-                            and item.get_closest_marker("slow") is not None))
+    """The schedule sweep's pps start checking in the background (tests/schedule/background.py), the largest first."""
+    background.start(sorted((item.callspec.params["pp"] for item in items  # type: ignore[attr-defined]
+                             if item.originalname == "test_every_builder_validates_and_simulates"),  # type: ignore
+                            reverse=True))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

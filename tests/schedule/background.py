@@ -1,6 +1,6 @@
-"""The schedule sweep's slow part in a process of its own, started when the suite is collected.
+"""The schedule sweep in a process of its own, started when the suite is collected.
 
-``test_every_builder_validates_and_simulates`` at pp 4..8 is about 20 s of single-threaded Python, while the
+``test_every_builder_validates_and_simulates`` at pp 1..8 is about 25 s of single-threaded Python, while the
 suite keeps two cores about 40% busy (most tests wait on processes they started): run in a background process
 (at low priority) from the start of the session, its figures are ready when its tests come, and each test asserts
 what the process found for its pp, the same checks as in-process. Run as a module it checks the pps given::

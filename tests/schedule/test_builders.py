@@ -111,8 +111,8 @@ def _microbatches(name: str, pp: int) -> list[int]:
 @pytest.mark.parametrize("pp", [pytest.param(pp, marks=[pytest.mark.slow] if pp >= 4 else []) for pp in range(1, 9)])
 def test_every_builder_validates_and_simulates(pp: int) -> None:
     """Every built-in schedule at pp 1..8 over m up to 4 pp: complete, paired and deadlock-free (compile
-    validates), simulated with uneven costs, and under the memory cap it was synthesised for. The slow pps are
-    checked by a background process started with the session (tests/schedule/background.py)."""
+    validates), simulated with uneven costs, and under the memory cap it was synthesised for. A background
+    process started with the session checks them (tests/schedule/background.py)."""
     found = background.result(pp, timeout=100)
     if found is False:
         background.check(pp)
