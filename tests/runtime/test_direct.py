@@ -16,6 +16,7 @@ from pipeengine.runtime import stage as stage_module
 from pipeengine.runtime.chain import LayerChain
 from pipeengine.runtime.direct import covers
 from pipeengine.runtime.stage import Stage
+from tests.runtime.test_backward import SelfRecompute
 
 
 def _frozen(module: nn.Module, name: str) -> nn.Module:
@@ -154,22 +155,6 @@ def test_what_w_computes_itself_is_torchs_own_layers() -> None:
     assert not Stage(chain, 1, 3, None, 2, segmented=True).segmented
     assert Stage(chain, 0, 3, None, 2, segmented=True).segmented   # the first: only its first layer from its roots
     assert not Stage(chain, 1, 3, None, 2, precision="bf16", segmented=True).segmented   # the casts: W sees them
-
-
-class SelfRecompute(nn.Module):
-    """A layer that checkpoints itself: its saved tensors have torch.utils.checkpoint's unpack hook."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
-        self.runs = 0
-
-    def _inner(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return self.inner(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(self._inner, x, use_reentrant=False)
 
 
 def test_saved_tensors_with_hooks_go_through_autograd_so_a_checkpointed_layer_recomputes_once_in_w() -> None:

@@ -143,16 +143,23 @@ def best_cost(lengths: list[int], count: int, linear_cost: float) -> float:
     return best[count][n]
 
 
+def random_ragged(most: int, one_row: bool) -> list[tuple[list[int], int, Packing]]:
+    """300 random cases of up to ``most`` sequences: (lengths, microbatches, a ragged Packing)."""
+    rng, cases = random.Random(11), []
+    for _ in range(300):
+        n = rng.randint(1, most)
+        count, context = rng.randint(1, n), rng.choice([4, 16, 100])
+        lengths = [rng.randint(1, context) for _ in range(n)]
+        cases.append((lengths, count, Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]),
+                                              one_row=one_row)))
+    return cases
+
+
 def test_ragged_one_sequence_a_row_finds_the_least_costly_cut() -> None:
     p = Packing("ragged", 8)
     assert p.layout([2, 8, 3, 8, 1], 2) == [[[1], [3]], [[2], [0], [4]]]   # max(2 x 64, 3 x 9) = 128
     assert p.shapes([2, 8, 3, 8, 1], 2) == [(2, 8), (3, 3)]
-    rng = random.Random(11)
-    for _ in range(300):
-        n = rng.randint(1, 12)
-        count, context = rng.randint(1, n), rng.choice([4, 16, 100])
-        lengths = [rng.randint(1, context) for _ in range(n)]
-        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]))
+    for lengths, count, p in random_ragged(12, one_row=False):
         shapes = p.shapes(lengths, count)
         assert [w for _, w in shapes] == sorted((w for _, w in shapes), reverse=True)   # longest first
         worst = max(rows * w * (w + p.linear_cost) for rows, w in shapes)
@@ -166,12 +173,7 @@ def test_ragged_one_row_a_microbatch_is_longest_processing_time_first_at_about_e
     # costs n²: 64, 64, 9, 4, 1 -> 64 to 0, 64 to 1, 9 to 0 (the first of equals), 4 to 1, 1 to 1
     assert p.layout([2, 8, 3, 8, 1], 2) == [[[1, 2]], [[3, 0, 4]]]
     assert p.shapes([2, 8, 3, 8, 1], 2) == [(1, 11), (1, 11)]
-    rng = random.Random(11)
-    for _ in range(300):
-        n = rng.randint(1, 40)
-        count, context = rng.randint(1, n), rng.choice([4, 16, 100])
-        lengths = [rng.randint(1, context) for _ in range(n)]
-        p = Packing("ragged", context, linear_cost=rng.choice([0.0, 1.0, 0.3, 37.5]), one_row=True)
+    for lengths, count, p in random_ragged(40, one_row=True):
         cost = [x * (x + p.linear_cost) for x in lengths]
         loads = [sum(cost[i] for i in rows[0]) for rows in p.layout(lengths, count)]
         assert max(loads) - min(loads) <= max(cost) * (1 + 1e-12)
