@@ -56,8 +56,10 @@ class ModelConfig:
                                   metavar="N")
     packing: str | None = setting(None, "how documents of different lengths become microbatches, for a model whose "
                                         "function takes packing= (gpt: None is ragged): pad one per row to the "
-                                        "context; pack several per row, attention within each; ragged one per row, "
-                                        "each microbatch its own shape (docs: pipeengine/training/packing.py)",
+                                        "context; pack several per row, attention within each; ragged each "
+                                        "microbatch its own shape, one per row (gpt on CPU at long contexts: "
+                                        "one row of them end to end, no padding; docs: "
+                                        "pipeengine/training/packing.py)",
                                   choices=("pad", "pack", "ragged"))
 
 
