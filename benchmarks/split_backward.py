@@ -40,16 +40,15 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = gpt.Config(block_size=a.seq, n_layer=a.blocks, n_head=8, n_embd=a.width)
     chain = LayerChain([gpt.Block(cfg) for _ in range(a.blocks)], 1)
-    # the same layers as a stage of a schedule without W and as one of a zero-bubble schedule (GPT blocks are torch's
-    # Linear and LayerNorm only: one part, W without autograd calls, see [Note: W without the engine] in
-    # pipeengine/runtime/direct.py; a stage whose W needs autograd runs a layer at a time, [Note: segments])
-    stages = {False: Stage(chain, 1, 3, gpt.loss_fn, 1), True: Stage(chain, 1, 3, gpt.loss_fn, 1, segmented=True)}
+    # a middle stage of a zero-bubble schedule: GPT blocks are torch's Linear and LayerNorm only, so it runs in one
+    # part and W makes no autograd call ([Note: W without the engine] in pipeengine/runtime/direct.py); the fused
+    # backward is the same stage's B without a W
+    stage = Stage(chain, 1, 3, gpt.loss_fn, 1, segmented=True)
     x = torch.randn(a.batch, a.seq, a.width)
     gy = torch.randn(a.batch, a.seq, a.width)
     times: dict[str, list[float]] = {"fused": [], "B": [], "W": []}
     for r in range(a.rounds + 2):
         for split in (False, True) if r % 2 else (True, False):
-            stage = stages[split]
             stage.reset()
             stage.forward(0, x.clone(), None, True)
             t0 = time.perf_counter()

@@ -230,7 +230,7 @@ def model(preset: str | None = None, data: str | None = None, dropout: float = 0
         cfg = dataclasses.replace(cfg, block_size=context)
     source = Documents(data, context=cfg.block_size)
     cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, source.vocab_size))
-    layers = layer_factories(cfg)
+    layers, linear = layer_factories(cfg), 12.0 * cfg.n_embd   # a position's cost besides attention
     return Model(layers, loss_fn, source, tied_parameters(len(layers)), preset=preset or "tiny",
-                 packing=Packing(packing, cfg.block_size, linear_cost=12.0 * cfg.n_embd,
-                                 one_row=12.0 * cfg.n_embd * cfg.block_size >= ONE_ROW * CALL))
+                 packing=Packing(packing, cfg.block_size, linear_cost=linear,
+                                 one_row=linear * cfg.block_size >= ONE_ROW * CALL))

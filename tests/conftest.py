@@ -17,6 +17,7 @@ from tests.harness import WorldPool  # noqa: E402
 from tests.schedule import background  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)   # after -k and -m deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The schedule sweep's pps start checking in the background (tests/schedule/background.py), the largest first."""
     background.start(sorted((item.callspec.params["pp"] for item in items  # type: ignore[attr-defined]

@@ -7,13 +7,13 @@ input path again. Before B, the stage's graph is walked once (:func:`weight_grou
 parameter, the *branch nodes* are the first nodes on the input path (between the stage's inputs
 and its outputs) that its gradient flows through, e.g. the ``AddmmBackward`` of a Linear whose
 other operand came from the input. B runs with ``inputs=`` the stage's inputs (autograd then
-computes no weight branch at all) and keeps the gradient arriving at every branch node (the
-engine captures it, the node's inputs given as ``inputs=`` too; pre-hooks for a group of several
-nodes). W starts from those nodes with the kept gradients and ``inputs=`` the parameters
-of one group (parameters sharing a branch node), so autograd computes only ``dW``; the same
-node functions with the same incoming gradients as one fused backward, so the gradients are
-equal bit for bit. When a group has several branch nodes, one downstream of the other, pre-hooks
-pin each node's incoming gradient to the kept one so nothing is counted twice.
+computes no weight branch at all) and a pre-hook on every branch node keeps the gradient arriving
+there (after any tensor hooks on the node's outputs, as the node sees it). W starts from those
+nodes with the kept gradients and ``inputs=`` the parameters of one group (parameters sharing a
+branch node), so autograd computes only ``dW``; the same node functions with the same incoming
+gradients as one fused backward, so the gradients are equal bit for bit. Pre-hooks pin each node's
+incoming gradient in W to the kept one, so nothing is counted twice when a group has several branch
+nodes, one downstream of the other, and no tensor hook's result is applied twice.
 
 Not covered this way, so W runs from the roots again (cost b + w): parameters whose gradient
 reaches the outputs without crossing the input path, the first stage (its inputs need no
@@ -224,32 +224,23 @@ def _pin(grads: Grads, _incoming: Grads) -> Any:
 
 
 def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: list[WeightGroup]) -> None:
-    """B of a split backward: the inputs' gradients, keeping what arrives at every group's branch nodes. A group of
-    one node has it captured by autograd's engine (the node's inputs given as ``inputs=``, no Python call per
-    node); a group of several by pre-hooks (W pins what reaches those nodes)."""
-    handles = [n.register_prehook(functools.partial(_keep, g.grads, i)) for g in groups for i, n in enumerate(g.nodes)
-               if len(g.nodes) > 1]
-    singles = [g for g in groups if len(g.nodes) == 1]
-    edges = [GradientEdge(g.nodes[0], k) for g in singles for k in range(len(g.nodes[0]._input_metadata))]
-    try:
-        got = torch.autograd.Variable._execution_engine.run_backward(
-            roots, grads, True, False, inputs + tuple(edges), allow_unreachable=True, accumulate_grad=False)
-    finally:
-        for h in handles:
-            h.remove()
-    at = len(inputs)
-    for g in singles:
-        n = len(g.nodes[0]._input_metadata)
-        g.grads[0] = tuple(got[at:at + n])
-        at += n
+    """B of a split backward: the inputs' gradients, keeping what arrives at every group's branch nodes (a node
+    pre-hook: after the tensor hooks a user put on the node's outputs, as the node itself sees it). The hooks stay
+    with the graph, which goes after W: there a node autograd runs again stores its gradient again, but W pins it
+    to the tuple B kept (bound before W's call)."""
+    for g in groups:
+        for i, n in enumerate(g.nodes):
+            n.register_prehook(functools.partial(_keep, g.grads, i))
+    run_backward(roots, grads, inputs, keep_graph=True)
 
 
 def backward_weights(groups: list[WeightGroup]) -> None:
     """W of a split backward: every group's weight gradients from its kept branch gradients.
 
-    One autograd call per group (one call for all would also run the input path between them
-    again), under one ``GraphExecGroup``: a layer that recomputes itself (``torch.utils.checkpoint``,
-    non-reentrant) recomputes once in W, not once per group.
+    A group of one node of torch's common layers without autograd (direct.py); any other, one autograd call
+    per group (one call for all would also run the input path between them again), all under one
+    ``GraphExecGroup``: a layer that recomputes itself (``torch.utils.checkpoint``, non-reentrant) recomputes
+    once in W, not once per group.
     """
     with _exec_group(), torch.no_grad():   # (autograd's engine sets its own grad mode; direct W runs without)
         for group in groups:
@@ -259,8 +250,10 @@ def backward_weights(groups: list[WeightGroup]) -> None:
                      for k, g in enumerate(group.grads.get(i, ())) if g is not None]
             if not edges:
                 continue
+            # each node gets what B kept, nothing added on the way (several nodes: one downstream of another) and no
+            # tensor hook applied twice (B kept the gradient after them, the node runs them again)
             pins = [n.register_prehook(functools.partial(_pin, group.grads[i]))
-                    for i, n in enumerate(group.nodes) if len(group.nodes) > 1 and i in group.grads]
+                    for i, n in enumerate(group.nodes) if i in group.grads]
             try:
                 run_backward(tuple(e for e, _ in edges), tuple(g for _, g in edges), tuple(group.params),
                              keep_graph=True)

@@ -26,8 +26,8 @@ tensor hook (``register_hook``). Not seen: a hook registered on a parameter's Ac
 
 A stage whose every trained parameter is in such a layer (:func:`covers`) is not cut into segments
 ([Note: segments] in stage.py) unless it is the first: with no autograd call in W, a layer at a time would
-only add host time (12 tiny GPT blocks: B + W 1.42-1.46x the fused backward in one part, 1.71-1.78x a
-layer at a time; ``benchmarks/split_backward.py``).
+only add host time (12 tiny GPT blocks: B + W 1.45-1.47x the fused backward in one part, 1.71-1.78x a
+layer at a time when W first ran without autograd; ``benchmarks/split_backward.py``).
 """
 
 from __future__ import annotations
@@ -114,8 +114,10 @@ def _addmm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
     if (node._raw_saved_mat1.unpack_hook is not None or node._saved_alpha != 1 or node._saved_beta != 1
             or (bias is not None and bias.shape == grad.shape)):
         return None
-    return [None if bias is None else grad.sum_to_size(bias.shape), None,
-            None if weight is None else _weight(node, grad, node._saved_mat1)]
+    bias_grad = None
+    if bias is not None:   # (sum_to over the leading dimension of a [rows, out] gradient is its sum over dim 0)
+        bias_grad = grad.sum(0) if grad.dim() == 2 and bias.dim() == 1 else grad.sum_to_size(bias.shape)
+    return [bias_grad, None, None if weight is None else _weight(node, grad, node._saved_mat1)]
 
 
 def _mm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:

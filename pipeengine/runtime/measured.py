@@ -7,7 +7,13 @@ from typing import Sequence
 
 from ..schedule import Costs, Schedule
 
-__all__ = ["LayerCost", "Choice", "position_sizes", "with_transfers", "sized"]
+__all__ = ["LayerCost", "Choice", "position_sizes", "with_transfers", "sized", "one_part"]
+
+
+def one_part(first: bool, covered: bool) -> bool:
+    """A split-backward stage of several layers runs in one part, not a layer at a time ([Note: segments] in
+    stage.py): past the first stage, when every layer's W needs no autograd call (direct.covers)."""
+    return not first and covered
 
 
 @dataclass

@@ -74,10 +74,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .arrival import Arrived
-from .direct import covers
 from .backward import (Recipe, WeightGroup, accumulators, backward_keeping, backward_weights, run_backward, shape_of,
                        walk, weight_groups)
 from .chain import LayerChain, LayerError
+from .direct import covers
+from .measured import one_part
 from .options import PRECISIONS, check_choice, parse_recompute
 from .tensors import detach, device_of, floating, to_float
 
@@ -172,7 +173,7 @@ class Stage:
         per_layer = [tuple(p for p in layer.parameters() if p.requires_grad) for layer in layers]
         shared = len({id(p) for ps in per_layer for p in ps}) < sum(map(len, per_layer))
         self.segmented = (segmented and per is None and len(layers) > 1 and not shared
-                          and (self.is_first or not covers(module)))
+                          and not one_part(self.is_first, covers(module)))
         self._part_params = per_layer if self.segmented else [self.params]
         self._recipes: list[dict[tuple[Any, ...], Recipe]] = [{} for _ in self._part_params]
         self._marks: list[dict[Any, int] | None] = [None] * len(self._part_params)   # AccumulateGrad node -> param
@@ -326,10 +327,12 @@ class Stage:
             groups, rest = [], list(params)
         else:
             groups, rest = weight_groups(graph, anchor, params, accumulators(params))
-        if len(recipes) >= 16:   # shapes come from a layer's control flow, not from sizes: a few; keep the recent
+        # shapes come from a layer's control flow, not from sizes (but a packed row's attention makes a node per
+        # document, so a shape per document count): keep the recent
+        if len(recipes) >= 16:
             del recipes[next(iter(recipes))]
-        recipes[key] = Recipe.of(order, graph.custom, groups, rest, params)
-        return graph.custom, groups, rest
+        recipe = recipes[key] = Recipe.of(order, graph.custom, groups, rest, params)
+        return (recipe.custom, *recipe.apply(order, params))   # (its groups carry how W runs them, direct.plan)
 
     def backward_weight(self, mb: int) -> None:
         """Run W after a split B: accumulate the parameter gradients and free the microbatch."""

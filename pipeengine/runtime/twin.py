@@ -40,7 +40,7 @@ from ..schedule.actions import Kind
 from ..schedule.lower import lower
 from ..schedule.simulate import stage_peaks
 from .links import Links
-from .measured import LayerCost, sized, with_transfers
+from .measured import LayerCost, one_part, sized, with_transfers
 
 __all__ = ["MemoryParts", "Host", "HOST", "HOST_CUDA", "Twin", "stage_memory", "stage_costs", "predict", "per_stage",
            "PARTS", "BACKWARD_SET", "held_activations"]
@@ -118,23 +118,24 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
     return sum(inputs), max(sum(_kept(c) for c in r) for r in regions)
 
 
-def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float]) -> float:
+def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float],
+                     split: frozenset[tuple[int, int, int]] | None = None) -> float:
     """The most ``position`` holds at once of what its microbatches keep: per stage ``keep`` bytes from F until B
     (until W when split) and ``for_w`` more from a split B until its W, walked in the order its program runs them
     (at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together).
-    Nothing for a forward-only schedule."""
+    Nothing for a forward-only schedule. ``split``: the schedule's :meth:`~Schedule.split_backwards`, if known."""
     if schedule.forward_only:
         return 0.0
-    split = schedule.split_backwards()
+    split = schedule.split_backwards() if split is None else split
     live = peak = 0.0
     for a in schedule.compute_actions(position):
         s = schedule.stage(position, a.chunk)
         if a.kind is Kind.F:
             live += keep[s]
-        elif a.kind is Kind.B and (position, a.microbatch, a.chunk) in split:
-            live += for_w[s]
-        else:   # a W, or a B that is not split: the microbatch's activations go (and with a W what it kept for W)
+        elif schedule.releases(position, a, split):   # its activations go (and with a W what it kept for W)
             live -= keep[s] + (for_w[s] if a.kind is Kind.W else 0.0)
+        else:   # a split B: the gradients W starts from stay until W
+            live += for_w[s]
         peak = max(peak, live)
     return peak
 
@@ -150,6 +151,7 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
     beyond = [float(runtime)] * schedule.pp if isinstance(runtime, (int, float)) else [float(r) for r in runtime]
     peaks = stage_peaks(schedule) if not schedule.forward_only else {s: 0 for s in range(schedule.num_stages)}
     regions = per_stage(recompute, schedule.num_stages)
+    split = schedule.split_backwards()
     out = []
     for p in range(schedule.pp):
         stages = [schedule.stage(p, c) for c in range(schedule.chunks)]
@@ -167,7 +169,7 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
         # the optimizer's step, once the activations are gone, makes temporaries of about a layer's parameters
         transient = max(transient, *(float(c.param_bytes) for s in stages for c in costs[bounds[s]:bounds[s + 1]]))
         held = max((peaks[s] for s in stages), default=0)
-        acts = held_activations(schedule, p, keep, for_w)
+        acts = held_activations(schedule, p, keep, for_w, split)
         out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts,
                                transient + 2 * boundary * (held + 1) + beyond[p]))
     return out
@@ -204,7 +206,7 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
         # the engine's own cost: once per stage, but once per layer where a split backward runs the stage a layer
         # at a time ([Note: segments] in stage.py; not under recompute, nor past the first stage where every
         # layer's W needs no autograd call)
-        once = not split or regions[s] is not None or (s > 0 and all(c.direct_w for c in layers))
+        once = not split or regions[s] is not None or one_part(s == 0, all(c.direct_w for c in layers))
         phases = [sum(c.phases(split)[k] - once * c.host_phases(split)[k] for c in layers)
                   + once * max(c.host_phases(split)[k] for c in layers) for k in range(3)]
         p = schedule.placement(s)[0]

@@ -202,7 +202,7 @@ def _balanced(lengths: Sequence[int], count: int, linear_cost: float) -> list[li
     costs = [n * (n + linear_cost) for n in lengths]
     groups: list[list[int]] = [[] for _ in range(count)]
     loads = [(0.0, g) for g in range(count)]   # a heap of (cost so far, group)
-    for i in sorted(range(len(lengths)), key=lambda i: (-costs[i], i)):
+    for i in _by_length(lengths):   # costliest first: the cost grows with the length
         load, g = heapq.heappop(loads)
         groups[g].append(i)
         heapq.heappush(loads, (load + costs[i], g))

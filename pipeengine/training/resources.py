@@ -93,8 +93,8 @@ def flops_per_example(factories: Sequence[Callable[[], torch.nn.Module]], inputs
 
 def flops_per_length(factories: Sequence[Callable[[], torch.nn.Module]], context: int) -> tuple[float, float] | None:
     """Model FLOPs of training on one sequence of n tokens as ``a n + b n²`` (the layers and the attention), fitted
-    on :func:`flops_per_example` at n = ``context`` and half of it, the sequence of plain tokens a padded or ragged
-    row is (a model with a packing takes those). A step's model FLOPs are then its real sequences' sum: the padding
+    on :func:`flops_per_example` at n = ``context`` and half of it, one sequence of plain tokens (a padded row, or
+    one of a microbatch's documents). A step's model FLOPs are then its real sequences' sum: the padding
     and the attention across documents a packed row masks off are not the model's work. None: not countable."""
     n1, n2 = context, max(1, context // 2)
     f1 = flops_per_example(factories, torch.zeros(n1, dtype=torch.int64))
