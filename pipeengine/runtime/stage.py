@@ -238,7 +238,8 @@ class Stage:
                 roots = tuple(floating(out))
         if not train:
             return None if self.is_last else out
-        self._count_nonfinite(0, roots)
+        if not self.is_last:   # (the last stage's flag comes from its losses, see nonfinite)
+            self._count_nonfinite(0, roots)
         # the parts: each from its inputs (the stage's, or a cut's) to its roots (a cut's, or the stage's); a cut's
         # roots and inputs are the same storage, which lives on as long as a layer saved it ([Note: segments])
         starts = [(inputs, arrived)] + [(ins, arr) for _, arr, ins in cuts or ()]
@@ -270,9 +271,11 @@ class Stage:
                              "train; compute the loss from the output with differentiable torch operations")
         if keep_output:
             self.outputs[mb] = detach(out)
-        loss = loss.reshape(()) / self.microbatches
+        loss = (loss if loss.dim() == 0 else loss.reshape(())) / self.microbatches
         self.losses.append(loss.detach())
-        return (loss * self.loss_scale,) if train else ()
+        if not train:
+            return ()
+        return (loss if self.loss_scale == 1.0 else loss * self.loss_scale,)   # (x * 1.0 is x, bit for bit)
 
     def backward(self, mb: int, grads: Tensors | None, split: bool) -> Tensors:
         """Run B; return the gradients of the stage's floating-point inputs (empty on the first stage)."""
@@ -353,9 +356,10 @@ class Stage:
 
     def nonfinite(self) -> torch.Tensor:
         """This step's (outputs or loss, input gradients) flags on the device: 1.0 where a NaN or inf went by."""
-        device = next((x.device for s in self.sums for x in s), device_of((), self.params))   # (no parameters: CPU)
+        sums = (self.losses if self.is_last else self.sums[0], self.sums[1])
+        device = next((x.device for s in sums for x in s), device_of((), self.params))   # (no parameters: CPU)
         return torch.stack([(~torch.isfinite(torch.stack(s).double().sum() if s else torch.zeros((), device=device)))
-                            .double() for s in self.sums])
+                            .double() for s in sums])
 
     def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
         if self.is_last:

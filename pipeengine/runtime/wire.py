@@ -2,7 +2,8 @@
 
 [Note: the wire is the program]
 Every transfer is one comm action of the rank's validated program, posted in program order, one
-step at a time; nothing else goes on the wire. A forward stream (what one stage sends the next
+step at a time (in ``tags`` mode a step's receives may go with the step before, [Note: receives one step
+early]); nothing else goes on the wire. A forward stream (what one stage sends the next
 in one train or eval step) starts with an explicit header action ``sendH``/``recvH`` that the
 lowering puts in a step of its own before the stream's first payload (schedule/lower.py). A header
 step completes before the rank goes on, as the validator's rendezvous semantics assume of every
@@ -36,6 +37,16 @@ running. ``strict`` (NCCL semantics on Gloo, used by the tests): one tag between
 matches by per-peer order as NCCL does, and a comm step's ops complete before the next comm step
 is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is one
 ``batch_isend_irecv``; waits make the compute stream wait, not the host (NCCL's watchdog times out).
+
+[Note: receives one step early]
+In ``tags`` mode on Gloo a comm step also posts the receives of the program's next comm step (those whose shapes
+are known: not a header, nor a payload whose header has not come). Gloo moves a message only once its receive is
+posted (a rendezvous: about 0.1 ms here between two processes), so a receive posted with the step before is
+usually complete when the compute that takes it starts, where posted with its own step the rank would wait that
+long every time (1F1B's last stage after each B, its first after each F). Each receive keeps its own tag and its
+program order number, so nothing can match it but its own send, no wait comes sooner than in the program, and a
+send still completes no later; strict mode and NCCL post exactly the program (their per-peer order is the proof's).
+The price is one comm step's receive buffers held a little longer.
 
 [Note: buffer lifetimes]
 A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
@@ -216,14 +227,21 @@ class Wire:
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self._group_rank: dict[int, int] = {}
+        # per program (kept, so that its id stays its own): the receives each comm step posts early
+        self._ahead_cache: dict[int, tuple[Sequence[Step], list[tuple[tuple[int, Action], ...]]]] = {}
         self.begin_step()
 
     # ------------------------------------------------------------------ per-step state
 
-    def begin_step(self, table: Table | None = None) -> None:
+    def begin_step(self, table: Table | None = None, program: Sequence[Step] | None = None) -> None:
         """Forget the previous step's streams. ``table``: each microbatch's input shape when they differ (known where
-        the data is read; elsewhere a header brings it, see [Note: ragged microbatches])."""
+        the data is read; elsewhere a header brings it, see [Note: ragged microbatches]); ``program``: the steps
+        this step posts, in order (their receives may then go one comm step early, see [Note: receives one step
+        early])."""
         self._table = table
+        early = program is not None and self.mode == "tags" and not self.coalesce
+        self._ahead = self._lookahead(program) if early and program is not None else []
+        self._early: set[tuple[Kind, int, int]] = set()   # receives posted with the comm step before theirs
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
         self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
@@ -231,6 +249,18 @@ class Wire:
         self._sends: list[_Transfer] = []
         self._last_step: list[_Transfer] = []
         self._posted = 0                                                         # transfers posted so far
+        self._steps = 0                                                          # comm steps posted so far
+
+    def _lookahead(self, program: Sequence[Step]) -> list[tuple[tuple[int, Action], ...]]:
+        """Per comm step of ``program``, the receives of the next one with their places in it (none after the last);
+        cached per program."""
+        key = id(program)
+        if key not in self._ahead_cache:
+            comm = [st for st in program if not st[0].kind.is_compute]
+            self._ahead_cache[key] = (program, [tuple((i, a) for i, a in enumerate(nxt)
+                                                      if a.kind in (Kind.RECV_F, Kind.RECV_B)) for nxt in comm[1:]]
+                                      + [()])
+        return self._ahead_cache[key][1]
 
     def put(self, kind: Kind, mb: int, chunk: int, value: Any) -> None:
         """Hand over what the stage at ``chunk`` produced for microbatch ``mb``: F output or B input gradients."""
@@ -292,24 +322,27 @@ class Wire:
         return tuple(torch.empty(m.shape, dtype=self._on_wire(m.dtype), device=self.device) for m in metas)
 
     def post(self, step: Step, after_compute: bool = True) -> None:
-        """Post one comm step (sends first, then receives, each in program order), after ``settle(after_compute)``.
-        It waits only for a header step's header ([Note: the wire is the program])."""
+        """Post one comm step (sends first, then receives, each in program order), after ``settle(after_compute)``,
+        and in tags mode the next comm step's receives ([Note: receives one step early]). It waits only for a header
+        step's header ([Note: the wire is the program])."""
         self.settle(after_compute)
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
         self._posted += len(step)
         for a in sorted(step, key=lambda x: not x.kind.is_send):
-            tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
-            tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors),
-                           seqs[a], done=not tensors)
+            if (a.kind, a.microbatch, a.chunk) in self._early:
+                self._early.remove((a.kind, a.microbatch, a.chunk))
+                continue   # posted with the step before ([Note: receives one step early])
+            tr = self._transfer(a, seqs[a])
             transfers.append(tr)
-            if a.kind.is_send:
-                self._sends.append(tr)
-            elif a.kind is not Kind.RECV_H:
-                self._incoming[(a.kind, a.microbatch, a.chunk)] = tr
-            base = self._tag(a)
-            ops += [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
+            ops += self._ops(tr)
+        ahead = self._ahead[self._steps] if self._steps < len(self._ahead) else ()
+        self._steps += 1
+        for i, a in ahead:
+            if self._known(a):   # with the place its own step gives it in the link's order
+                self._early.add((a.kind, a.microbatch, a.chunk))
+                ops += self._ops(self._transfer(a, self._posted + i))
         self._issue(ops)
         self._last_step = transfers if self.mode == "strict" and not self.coalesce else []
         for tr in transfers:
@@ -348,6 +381,26 @@ class Wire:
                 self._group_rank[tr.rank] = dist.get_group_rank(self._pg, tr.rank)
             fn = self._pg.send if tr.action.kind.is_send else self._pg.recv
             tr.works.append(fn([t], self._group_rank[tr.rank], tag))
+
+    def _transfer(self, a: Action, seq: int) -> _Transfer:
+        """The transfer of comm action ``a``, its buffers made (a receive) or taken (a send), and registered."""
+        tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
+        tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors), seq,
+                       done=not tensors)
+        if a.kind.is_send:
+            self._sends.append(tr)
+        elif a.kind is not Kind.RECV_H:
+            self._incoming[(a.kind, a.microbatch, a.chunk)] = tr
+        return tr
+
+    def _ops(self, tr: _Transfer) -> list[tuple[_Transfer, torch.Tensor, int]]:
+        base = self._tag(tr.action)
+        return [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
+
+    def _known(self, a: Action) -> bool:
+        """Whether receive ``a``'s buffers can be made now: its stream's header came (recvF) or was sent (recvB)."""
+        stage = self.stage_of(a.chunk)
+        return (stage - 1 in self._streams) if a.kind is Kind.RECV_F else (stage in self._sent)
 
     # ------------------------------------------------------------------ completion
 

@@ -95,8 +95,9 @@ def test_boundary_memory_is_bounded_by_the_schedule_not_by_m_and_ranks_build_onl
             if sched != "gpipe" and not sched.endswith("/two"):
                 # the schedule's in-flight inputs + the next input posted ahead + the output being sent + the
                 # gradient received for the coming B: a step's sends complete when the next comm step is posted
-                # (strict mode: the whole step), see wire.py [Note: buffer lifetimes]
-                assert peak <= bound + 3 + 0.01, (position, sched, m, peak, bound)
+                # (strict mode: the whole step), see wire.py [Note: buffer lifetimes]; in tags mode also the next
+                # comm step's receive, posted with this one ([Note: receives one step early])
+                assert peak <= bound + 3 + sched.endswith("/tags") + 0.01, (position, sched, m, peak, bound)
         # flat in m: 1F1B with 12 microbatches holds what it holds with 4
         assert by[("1f1b", 12)][0] == by[("1f1b", 4)][0], (position, by)
         assert by[("1f1b/tags", 12)][0] == by[("1f1b/tags", 4)][0], (position, by)
