@@ -35,7 +35,8 @@ from .chain import LayerChain
 from .stage import DTYPES, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
-from .wire import Wire, shape_table
+from .header import shape_table
+from .wire import Wire
 from .update import Update
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]

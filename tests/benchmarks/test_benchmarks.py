@@ -26,7 +26,7 @@ SCRIPTS = {
     "efficiency-real": [*TORCHRUN, "-m", "benchmarks.efficiency", "--real", "--hidden", "64", "--depth", "4",
                         "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", "{out}"],
     "overhead": [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"],
-    "memory": [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "4", "12",
+    "memory": [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "8", "12",
                "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", "{out}"],
     "profile_noise": [sys.executable, "-m", "benchmarks.profile_noise", "--blocks", "4", "--width", "32"],
     "lateness": [sys.executable, "-m", "benchmarks.lateness", "--reps", "5", "--waits", "0.1", "1"],
@@ -150,11 +150,13 @@ def test_memory_smoke(scripts: Any) -> None:
     proc, out = finished(scripts, "memory")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["schedule"], r["pp"], r["m"]) for r in rows] == [("1f1b", 2, 4), ("1f1b", 2, 12)]
+    assert [(r["schedule"], r["pp"], r["m"]) for r in rows] == [("1f1b", 2, 8), ("1f1b", 2, 12)]
     ours = [[rank["growth_mib"] for rank in r["results"]["ours"]] for r in rows]
-    assert all(abs(a - b) <= 1.0 for a, b in zip(*ours)), ours          # flat in m (MiB, page rounding)
+    # flat in m (MiB, page rounding), once 1F1B has a steady state: at m 4 the last stage never holds the next
+    # forward's input received early beside the gradient still being sent (wire.py), one activation less
+    assert all(abs(a - b) <= 1.0 for a, b in zip(*ours)), ours
     held = [max(rank["held_mib"] for rank in r["results"]["torch"]) for r in rows]
-    assert held[1] > held[0] + 8 * 2 * 0.9, held                       # torch: a receive buffer per microbatch
+    assert held[1] > held[0] + 4 * 2 * 0.9, held                       # torch: a receive buffer per microbatch
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeengine.models import gpt
-from pipeengine.runtime.wire import RAGGED_DIMS, TensorMeta, decode_header, encode_header, follow, shape_table
+from pipeengine.runtime.header import RAGGED_DIMS, TensorMeta, decode_header, encode_header, follow, shape_table
 from tests.harness import WorldPool, run_distributed
 
 CFG = gpt.Config(block_size=24, n_layer=4, n_head=2, n_embd=16)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pipeengine.runtime.faults import watch
-from pipeengine.runtime.wire import (HEADER_LEN, P2PTimeout, TensorMeta, Wire, decode_header, describe, encode_header,
-                                     header_length)
+from pipeengine.runtime.header import HEADER_LEN, TensorMeta, decode_header, describe, encode_header, header_length
+from pipeengine.runtime.wire import P2PTimeout, Wire
 from pipeengine.schedule import Action, Kind
 from tests.harness import run_distributed
 
