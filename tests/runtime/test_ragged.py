@@ -11,6 +11,7 @@ import torch
 from pipeengine.models import gpt
 from pipeengine.runtime.header import RAGGED_DIMS, TensorMeta, decode_header, encode_header, follow, shape_table
 from tests.harness import WorldPool, run_distributed
+from tests.runtime.equivalence import early_receives, posted
 
 CFG = gpt.Config(block_size=24, n_layer=4, n_head=2, n_embd=16)
 IGNORE = -100
@@ -89,8 +90,9 @@ def _ragged(rank: int, world: int, layout: str, schedule: str, wire: str) -> dic
         grads = {f"{st.index}:{n}": p.grad.clone() for st in engine.stages for n, p in st.module.named_parameters()
                  if p.grad is not None}
         assert fixed.loss == fixed.loss
+        early = early_receives(*posted(engine.program, engine.wire.log)) if wire == "tags" else 0
         return {"loss": res.loss, "grads": grads, "reads": (fixed_reads, reads),
-                "ops": (fixed_ops, len(engine.wire.log)), "bounds": engine.bounds}
+                "ops": (fixed_ops, len(engine.wire.log)), "bounds": engine.bounds, "early": early}
 
 
 @pytest.mark.timeout(120)
@@ -104,6 +106,8 @@ def test_microbatches_of_their_own_shapes_cost_no_message_and_equal_one_process(
     for r in got:
         assert r["reads"][0] == r["reads"][1], r["reads"]   # no host read more than with fixed shapes
         assert r["ops"][0] == r["ops"][1], r["ops"]           # no message more
+    # tags mode: receives of each microbatch's own shape went one comm step early (wire.py), and the results hold
+    assert (sum(r["early"] for r in got) > 0) == (wire == "tags"), [r["early"] for r in got]
     seen = 0
     for r in got:   # every parameter's gradient, wherever it lives, against one process's
         for key, g in r["grads"].items():
