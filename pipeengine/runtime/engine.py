@@ -21,6 +21,7 @@ from .clock import ActionClock, Phase
 from .faults import adaptive_timeout, watch
 from .device import default_device
 from .grad_sync import final_gradients
+from .header import shape_table
 from .layers import LayerSpec
 from .links import links_for
 from .local import LocalModel
@@ -35,7 +36,6 @@ from .chain import LayerChain
 from .stage import DTYPES, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
-from .header import shape_table
 from .wire import Wire
 from .update import Update
 

@@ -124,7 +124,7 @@ class Wire:
         early])."""
         self._table = table
         early = program is not None and self.mode == "tags" and not self.coalesce
-        self._ahead = self._lookahead(program) if early and program is not None else []
+        self._ahead = self._lookahead(program) if early and program is not None else []   # (mypy: not None)
         self._early: set[tuple[Kind, int, int]] = set()   # receives posted with the comm step before theirs
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
@@ -140,6 +140,8 @@ class Wire:
         cached per program."""
         key = id(program)
         if key not in self._ahead_cache:
+            if len(self._ahead_cache) >= 4:   # (a train and an eval program; more only if the engine got new ones)
+                self._ahead_cache.clear()
             comm = [st for st in program if not st[0].kind.is_compute]
             self._ahead_cache[key] = (program, [tuple((i, a) for i, a in enumerate(nxt)
                                                       if a.kind in (Kind.RECV_F, Kind.RECV_B)) for nxt in comm[1:]]
