@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,3 +220,37 @@ def test_print_config_writes_every_setting_under_its_flags_name_and_reads_back(t
     assert cfg.saving.interval == 7 and cfg.model.name == "mlp"
     (tmp_path / "old.toml").write_text("[saving]\ninterval = 5\n")   # a field's name works too
     assert parse_args(["--config", str(tmp_path / "old.toml")]).saving.interval == 5
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_trainers_optimizer_is_torchs_fused_one_where_the_device_has_it(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--optimizer adamw|sgd: torch's fused step on CPU, the same hyperparameters, the default step's results to the
+    last bits; where torch has no fused kernel (refused at construction) the default implementation."""
+    import torch
+    cfg = parse_args(["--optimizer", name, "--lr", "0.01", "--weight-decay", "0.1"]).optimizer
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(1003)), torch.nn.Parameter(torch.randn(17, 5))]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = cfg.build(ours)
+    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    ref = cls(plain, lr=0.01, weight_decay=0.1, **({"momentum": 0.9} if name == "sgd" else {}))
+    assert type(opt) is cls and opt.defaults["fused"] is True and not ref.defaults.get("fused")
+    assert {k: opt.defaults[k] for k in ("lr", "weight_decay")} == {"lr": 0.01, "weight_decay": 0.1}
+    for _ in range(5):
+        for p, q in zip(ours, plain):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, plain):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    real = cls.__init__
+
+    def no_fused(self: Any, params: Any, **kw: Any) -> None:
+        if kw.get("fused"):
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        real(self, params, **kw)
+
+    monkeypatch.setattr(cls, "__init__", no_fused)
+    assert not cfg.build([torch.nn.Parameter(torch.zeros(2))]).defaults.get("fused")
