@@ -64,9 +64,12 @@ class Consensus:
             stage_sq = torch.zeros((), dtype=torch.float64, device=self.device)
             for index, layer in zip(plan.layers_of(st.index), st.module.layers):
                 params = list(layer.parameters())
-                squares = self.squares([p if id(p) not in norm_skip else None for p in params])
+                squares = self.squares(params)
+                stage_sq += squares.sum()   # tied copies too: any non-finite gradient
+                skipped = [i for i, p in enumerate(params) if id(p) in norm_skip]   # (a tie's copies count once)
+                if skipped:
+                    squares = squares.index_fill(0, constant(skipped, torch.long, self.device), 0.0)
                 vec.set_grad_sq(plan.param_slot(index), squares)
-                stage_sq += self.squares(params).sum()   # tied copies too: any non-finite gradient
             vec.add_stage(st.index, st.nonfinite(), (~torch.isfinite(stage_sq)).double())
         if stages[-1].is_last:
             vec.set_loss(torch.stack(stages[-1].losses).double().sum())
