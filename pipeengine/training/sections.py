@@ -151,9 +151,9 @@ class OptimizerConfig:
 
     def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer for ``params`` (the engine's factory), at the peak learning rate: torch's fused
-        implementation where the parameters' device has one (CPU and CUDA: one kernel per parameter; on CPU an AdamW
-        step over ResNet-18's first stage took 5.3 ms fused against 31.7 ms, within a last bit of each other), else
-        the default one."""
+        implementation where the parameters' device has one (CPU and CUDA: one kernel per parameter, the default
+        implementation's results to the last bits; on CPU about 6x faster, see benchmarks/README.md), else the
+        default one."""
         import torch   # not at the top: --help stays quick
 
         def make(fused: bool | None) -> torch.optim.Optimizer:
