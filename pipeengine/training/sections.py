@@ -152,7 +152,7 @@ class OptimizerConfig:
     def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer for ``params`` (the engine's factory), at the peak learning rate: torch's fused
         implementation where the parameters' device has one (CPU and CUDA: one kernel per parameter, the default
-        implementation's results to the last bits; on CPU about 6x faster, see benchmarks/README.md), else the
+        implementation's results to the last bits; on CPU an AdamW step about 6x faster: benchmarks/README.md), else the
         default one."""
         import torch   # not at the top: --help stays quick
 
