@@ -14,8 +14,9 @@ the host, :func:`predict` gives
   buffers (scratch: backward's
   working set while one microbatch is in B, :data:`BACKWARD_SET` times the largest layer's saved bytes, and
   under recompute the region recomputed; the wire's: the largest boundary tensor and its gradient per
-  microbatch in flight; and ``runtime``: what the process holds beyond the model, measured before the first
-  step);
+  microbatch in flight, and one more with ``early_receives`` (Gloo's tags mode posts a step's receives with the
+  step before, [Note: receives one step early] in wire.py); and ``runtime``: what the process holds beyond the
+  model, measured before the first step);
 * **the step time**: the simulated step of the lowered schedule with each stage's own costs and transfers, where a
   stage's F, B and W are its layers' measured phases with the engine's own cost counted once (the profile timed it
   around every layer; a split backward runs a stage a layer at a time unless W needs no autograd call, so
@@ -142,11 +143,11 @@ def held_activations(schedule: Schedule, position: int, keep: dict[int, float], 
 
 def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, *, optimizer_states: float = 2,
                  shards: int = 1, recompute: int | None | Sequence[int | None] = None, input_bytes: float = 0.0,
-                 runtime: float | Sequence[float] = 0.0) -> list[MemoryParts]:
+                 runtime: float | Sequence[float] = 0.0, early_receives: bool = False) -> list[MemoryParts]:
     """Each position's predicted peak by part (see [Note: the twin]); ``shards``: dp under ZeRO-1 (else 1),
     ``recompute``: layers per region (None: none, 0: the whole stage; or one per stage), ``input_bytes``: the
     model's input per microbatch, ``runtime``: bytes a process holds beyond the model (one for all, or one per
-    position)."""
+    position), ``early_receives``: the wire posts receives a comm step early (one boundary tensor more)."""
     grads = [c.trainable_bytes for c in costs]
     beyond = [float(runtime)] * schedule.pp if isinstance(runtime, (int, float)) else [float(r) for r in runtime]
     peaks = stage_peaks(schedule) if not schedule.forward_only else {s: 0 for s in range(schedule.num_stages)}
@@ -170,8 +171,8 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
         transient = max(transient, *(float(c.param_bytes) for s in stages for c in costs[bounds[s]:bounds[s + 1]]))
         held = max((peaks[s] for s in stages), default=0)
         acts = held_activations(schedule, p, keep, for_w, split)
-        out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts,
-                               transient + 2 * boundary * (held + 1) + beyond[p]))
+        wire = boundary * (2 * (held + 1) + (early_receives and schedule.pp > 1))
+        out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts, transient + wire + beyond[p]))
     return out
 
 
@@ -246,7 +247,7 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
             optimizer_states: float = 2, zero: bool = False, input_bytes: float = 0.0,
             runtime: float | Sequence[float] = 0.0,
             processes: int = 1, cores: float = 1.0, host: Host = HOST, optimizer_bandwidth: float = 5e9,
-            dp_bandwidth: float | None = None) -> Twin:
+            dp_bandwidth: float | None = None, early_receives: bool = False) -> Twin:
     """The twin of a run of ``schedule`` on ``bounds`` (see [Note: the twin]). ``processes`` x their threads want
     ``cores``: the node's ranks and cores (their ratio stretches compute when above 1); ``dp_bandwidth``: bytes/s of
     the data-parallel all-reduce (None: the pipeline links', else 1 GB/s)."""
@@ -260,7 +261,7 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
     # the node's processes run pipelines of pp ranks each: their work over its cores bounds the step from below
     compute = max(sim.makespan, sum(sim.busy) * processes / schedule.pp / max(cores, 1e-9))
     memory = stage_memory(costs, bounds, schedule, optimizer_states=optimizer_states, shards=dp if zero else 1,
-                          recompute=recompute, input_bytes=input_bytes, runtime=runtime)
+                          recompute=recompute, input_bytes=input_bytes, runtime=runtime, early_receives=early_receives)
     grads = max(m.gradients for m in memory)
     bandwidth = dp_bandwidth or (min(links.bandwidth) if links is not None and links.bandwidth else 1e9)
     sync = 2 * (dp - 1) / dp * grads / bandwidth if dp > 1 else 0.0

@@ -53,6 +53,13 @@ def test_memory_by_hand_for_1f1b() -> None:
         # B's working set, the wire's buffers, then the process's own
         assert m.buffers == BACKWARD_SET * 3 * MB + 2 * MB * (held + 1) + (7 if p == 0 else 5) * MB
         assert m.total == sum(m.mib().values()) * MB
+    # Gloo's tags mode posts a comm step's receives with the step before: one boundary tensor more, none at pp 1
+    early = stage_memory(layers(), [0, 4, 8], sched, optimizer_states=2, input_bytes=MB, runtime=[7 * MB, 5 * MB],
+                         early_receives=True)
+    assert [e.buffers - m.buffers for e, m in zip(early, mem)] == [MB, MB]
+    alone = compile_schedule("1f1b", 1, 4)
+    assert stage_memory(layers(), [0, 8], alone, input_bytes=MB, early_receives=True) == \
+        stage_memory(layers(), [0, 8], alone, input_bytes=MB)
 
 
 def test_frozen_parameters_have_no_gradient_nor_optimizer_state() -> None:
