@@ -36,7 +36,7 @@ from .chain import LayerChain
 from .stage import DTYPES, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
-from .wire import Wire
+from .wire import Wire, receives_ahead
 from .update import Update
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
@@ -186,6 +186,7 @@ class PipelineEngine:
         self._split = self.schedule.split_backwards()   # (position, microbatch, chunk) whose B is followed by a W
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = eval_schedule.programs[self.position]
+        self._ahead = {True: receives_ahead(self.program), False: receives_ahead(self.eval_program)}   # by train
         backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
         self._last_backward = backward[-1] if backward else -1
         # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
@@ -324,7 +325,7 @@ class PipelineEngine:
                 if self.needs_data else ([], []))
         state = StepState(train, keep_outputs, *data)
         state.key = step_key(self.seed, self.step_count, train)
-        self.wire.begin_step(shape_table(state.inputs), program)   # [Note: ragged microbatches]
+        self.wire.begin_step(shape_table(state.inputs), self._ahead[train])   # [Note: ragged microbatches]
         # one low-precision copy per weight and step; the caller's RNG as it was (rng.py)
         with cast_cache_scope(self.device, self.precision), kept(generator_of(self.device)):
             for idx, step in enumerate(program):

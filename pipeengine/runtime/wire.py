@@ -60,7 +60,7 @@ from ..schedule import Action, Kind, Step
 from .faults import Watch, WaitTimeout, watch
 from .header import Table, TensorMeta, Tensors, decode_header, describe, encode_header, flatten, follow, header_length
 
-__all__ = ["P2PTimeout", "Wire", "MAX_TAG"]
+__all__ = ["P2PTimeout", "Wire", "MAX_TAG", "receives_ahead", "posts_early", "nccl"]
 
 MAX_TAG = 2**24
 
@@ -77,6 +77,27 @@ class _Transfer:
     seq: int = 0                                # position in this step's posting (= link) order
     works: list[Any] = field(default_factory=list)
     done: bool = False
+
+
+Ahead = tuple[tuple[int, Action], ...]   # a comm step's receives, each with its place in the step
+
+
+def receives_ahead(program: Sequence[Step]) -> list[Ahead]:
+    """Per comm step of ``program``, the payload receives of the next one with their places in it (none after the
+    last): what the step posts early in tags mode ([Note: receives one step early])."""
+    comm = [st for st in program if not st[0].kind.is_compute]
+    return [tuple((i, a) for i, a in enumerate(nxt) if a.kind in (Kind.RECV_F, Kind.RECV_B)) for nxt in comm[1:]] + [()]
+
+
+def nccl(group: Any = None) -> bool:
+    """Whether ``group`` (default: the world) runs on NCCL: the wire then coalesces each step ([Note: modes])."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend(group))
+
+
+def posts_early(mode: str, coalesce: bool) -> bool:
+    """Whether a wire of ``mode`` posts a comm step's receives with the step before ([Note: receives one step
+    early]): in tags mode, not on NCCL."""
+    return mode == "tags" and not coalesce
 
 
 class Wire:
@@ -98,7 +119,7 @@ class Wire:
         if mode not in ("tags", "strict"):
             raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
         if coalesce is None:
-            coalesce = dist.is_initialized() and "nccl" in str(dist.get_backend(group))
+            coalesce = nccl(group)
         top = (3 * microbatches * num_stages) * 16
         if mode == "tags" and not coalesce and top > MAX_TAG:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
@@ -111,20 +132,17 @@ class Wire:
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self._group_rank: dict[int, int] = {}
-        # per program (kept, so that its id stays its own): the receives each comm step posts early
-        self._ahead_cache: dict[int, tuple[Sequence[Step], list[tuple[tuple[int, Action], ...]]]] = {}
         self.begin_step()
 
     # ------------------------------------------------------------------ per-step state
 
-    def begin_step(self, table: Table | None = None, program: Sequence[Step] | None = None) -> None:
+    def begin_step(self, table: Table | None = None, ahead: Sequence[Ahead] = ()) -> None:
         """Forget the previous step's streams. ``table``: each microbatch's input shape when they differ (known where
-        the data is read; elsewhere a header brings it, see [Note: ragged microbatches]); ``program``: the steps
-        this step posts, in order (their receives may then go one comm step early, see [Note: receives one step
+        the data is read; elsewhere a header brings it, see [Note: ragged microbatches]); ``ahead``: the step's
+        program's :func:`receives_ahead` (in tags mode they go one comm step early, see [Note: receives one step
         early])."""
         self._table = table
-        early = program is not None and self.mode == "tags" and not self.coalesce
-        self._ahead = self._lookahead(program) if early and program is not None else []   # (mypy: not None)
+        self._ahead = ahead if posts_early(self.mode, self.coalesce) else ()
         self._early: set[tuple[Kind, int, int]] = set()   # receives posted with the comm step before theirs
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
@@ -134,19 +152,6 @@ class Wire:
         self._last_step: list[_Transfer] = []
         self._posted = 0                                                         # transfers posted so far
         self._steps = 0                                                          # comm steps posted so far
-
-    def _lookahead(self, program: Sequence[Step]) -> list[tuple[tuple[int, Action], ...]]:
-        """Per comm step of ``program``, the receives of the next one with their places in it (none after the last);
-        cached per program."""
-        key = id(program)
-        if key not in self._ahead_cache:
-            if len(self._ahead_cache) >= 4:   # (a train and an eval program; more only if the engine got new ones)
-                self._ahead_cache.clear()
-            comm = [st for st in program if not st[0].kind.is_compute]
-            self._ahead_cache[key] = (program, [tuple((i, a) for i, a in enumerate(nxt)
-                                                      if a.kind in (Kind.RECV_F, Kind.RECV_B)) for nxt in comm[1:]]
-                                      + [()])
-        return self._ahead_cache[key][1]
 
     def put(self, kind: Kind, mb: int, chunk: int, value: Any) -> None:
         """Hand over what the stage at ``chunk`` produced for microbatch ``mb``: F output or B input gradients."""

@@ -27,6 +27,7 @@ from ..runtime.options import parse_recompute
 from ..runtime.tensors import flat
 from ..runtime.layers import sizing_layers
 from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
+from ..runtime.wire import nccl, posts_early
 from .checks import partition_arg
 from .report import write_json
 
@@ -100,17 +101,17 @@ def _model_bytes(engine: PipelineEngine) -> float:
 
 
 def run_facts(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device, dp: int,
-              zero: bool, sample_inputs: Any, elements: int, wire: str) -> dict[str, Any]:
+              zero: bool, sample_inputs: Any, elements: int, early_receives: bool) -> dict[str, Any]:
     """What the twin takes of the run beyond the plan (twin.predict's arguments): data parallelism, the optimizer's
     state per parameter and speed (timed on ``elements`` floats), the input's bytes, the cores, the host, whether the
-    wire (``wire``: its mode) posts receives early (Gloo's tags mode)."""
+    wire posts receives early (wire.posts_early)."""
     probe = torch.nn.Parameter(torch.zeros(1, device=device))
     states = optimizer_states(build([probe]))
     processes, cores = node_cores(device)
     return {"dp": dp, "zero": zero, "optimizer_states": states, "processes": processes, "cores": cores,
             "input_bytes": sum(t.numel() * t.element_size() for t in flat(sample_inputs)),
             "host": HOST_CUDA if device.type == "cuda" else HOST,
-            "early_receives": wire == "tags" and device.type != "cuda",
+            "early_receives": early_receives,
             "optimizer_bandwidth": optimizer_bandwidth(build, device, states, elements)}
 
 
@@ -128,7 +129,7 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
     runtime = {engine.topology.position_of(r): b for r, b in zip(ranks, everyone)}
     facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
-                      sum(p.numel() for p in engine.parameters), "strict" if engine.wire.coalesce else engine.wire.mode)
+                      sum(p.numel() for p in engine.parameters), posts_early(engine.wire.mode, engine.wire.coalesce))
     stages = plan.recompute or [recompute] * plan.num_stages
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
                    recompute=[parse_recompute(r) for r in stages],
@@ -149,7 +150,7 @@ def build_engine(cfg: Any, model: Any, topo: Any, feed: Any, device: torch.devic
     if budget is not None and sample is not None:   # (a budget needs the profile: config.py)
         elements = sum(p.numel() for m in sizing_layers(model.layers) for p in m.parameters()) // topo.pp
         facts = {**run_facts(cfg.optimizer.build, device, topo.dp, cfg.parallel.zero == 1, sample[0], elements,
-                             cfg.parallel.wire),
+                             posts_early(cfg.parallel.wire, nccl())),
                  "runtime": lambda: (max(0.0, resident_bytes(trim=True) - baseline) if device.type != "cuda" else 0.0)}
     try:
         return PipelineEngine(
