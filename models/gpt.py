@@ -126,25 +126,16 @@ class Block(nn.Module):
         p = self.dropout if self.training else 0.0
         if segments is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        b, t = segments.shape
-        runs: list[list[int] | None] = [None] * b   # where a row's runs start, if it attends run by run
-        if per_document or (per_document is None and segments.device.type == "cpu"):
-            cuts: list[list[int]] = [[0] for _ in range(b)]
-            for r, i in (segments[:, 1:] != segments[:, :-1]).nonzero().tolist():
-                cuts[r].append(i + 1)
-            runs = [c if per_document or len(c) == 1 or _by_run_is_cheaper(c, t) else None for c in cuts]
+        b = segments.shape[0]
+        runs, groups = _row_plan(segments, per_document)
         out: dict[int, torch.Tensor] = {}
-        for rows, whole in (([r for r, c in enumerate(runs) if c is None], False),
-                            ([r for r, c in enumerate(runs) if c is not None and len(c) == 1], True)):
-            if not rows:
-                continue
-            pick = torch.tensor(rows) if len(rows) < b else slice(None)
-            mask = None if whole else (segments[pick].unsqueeze(-1) == segments[pick].unsqueeze(-2)).tril_()
-            y = F.scaled_dot_product_attention(q[pick], k[pick], v[pick], is_causal=whole, dropout_p=p,
+        for rows, pick, mask in groups:
+            y = F.scaled_dot_product_attention(q[pick], k[pick], v[pick], is_causal=mask is None, dropout_p=p,
                                                attn_mask=None if mask is None else mask.unsqueeze(1))
             if len(rows) == b:
                 return y
             out.update((r, y[n:n + 1]) for n, r in enumerate(rows))
+        t = segments.shape[1]
         for r, c in enumerate(runs):
             if c is not None and len(c) > 1:
                 out[r] = torch.cat([F.scaled_dot_product_attention(
@@ -154,6 +145,36 @@ class Block(nn.Module):
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
+
+
+# the last segments tensor's plan (_row_plan): a stage's blocks all attend within the same segments
+_PLAN: list[Any] = [None, None, None]   # [segments, per_document, plan]
+
+
+def _row_plan(segments: torch.Tensor, per_document: bool | None
+              ) -> tuple[list[list[int] | None], list[tuple[list[int], Any, torch.Tensor | None]]]:
+    """How :meth:`Block._attend` takes the rows of ``segments``: per row where its runs start if it attends run by
+    run (else None), and the groups of rows that go through one kernel call: (rows, their index, the boolean mask,
+    or None for rows of one run, through the causal kernel). Computed once per segments tensor and kept for the
+    next block (the same tensor goes through every block of a stage, [Note: packed rows])."""
+    if _PLAN[0] is segments and _PLAN[1] == per_document:
+        return _PLAN[2]  # type: ignore[no-any-return]
+    b, t = segments.shape
+    runs: list[list[int] | None] = [None] * b   # where a row's runs start, if it attends run by run
+    if per_document or (per_document is None and segments.device.type == "cpu"):
+        cuts: list[list[int]] = [[0] for _ in range(b)]
+        for r, i in (segments[:, 1:] != segments[:, :-1]).nonzero().tolist():
+            cuts[r].append(i + 1)
+        runs = [c if per_document or len(c) == 1 or _by_run_is_cheaper(c, t) else None for c in cuts]
+    groups: list[tuple[list[int], Any, torch.Tensor | None]] = []
+    for rows, whole in (([r for r, c in enumerate(runs) if c is None], False),
+                        ([r for r, c in enumerate(runs) if c is not None and len(c) == 1], True)):
+        if rows:
+            pick = torch.tensor(rows) if len(rows) < b else slice(None)
+            mask = None if whole else (segments[pick].unsqueeze(-1) == segments[pick].unsqueeze(-2)).tril_()
+            groups.append((rows, pick, mask))
+    _PLAN[:] = [segments, per_document, (runs, groups)]
+    return runs, groups
 
 
 def _by_run_is_cheaper(starts: list[int], t: int) -> bool:
@@ -233,4 +254,4 @@ def model(preset: str | None = None, data: str | None = None, dropout: float = 0
     layers, linear = layer_factories(cfg), 12.0 * cfg.n_embd   # a position's cost besides attention
     return Model(layers, loss_fn, source, tied_parameters(len(layers)), preset=preset or "tiny",
                  packing=Packing(packing, cfg.block_size, linear_cost=linear,
-                                 one_row=linear * cfg.block_size >= ONE_ROW * CALL))
+                                 one_row=packing == "ragged" and linear * cfg.block_size >= ONE_ROW * CALL))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -118,6 +119,8 @@ class Feed:
                              "lengths() (each example's tokens); a stream cannot be packed ahead")
         if not self.stream and not hasattr(data, "num_examples"):
             data = DatasetSource(data, val)
+        if packing is not None and packing.one_row and cuda:   # one row of many sequences: for the CPU (packing.py)
+            packing = replace(packing, one_row=False)
         self.packing = packing
         self.data, self.val_data, self.seed, self.batch = data, val, seed, batch
         self.dp, self.replica, self.steps, self.workers, self.cuda = dp, replica, steps, workers, cuda

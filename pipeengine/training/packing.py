@@ -21,7 +21,7 @@ Pure functions over the lengths decide the layout (microbatch -> rows -> the seq
     (longest-processing-time first): the costliest microbatch exceeds the least by one sequence's cost at
     most. The widest come first.
   - one sequence a row (the default; for an accelerator, where a row of many sequences would take a kernel
-    call per sequence or a mask over the whole row, and for short sequences): each microbatch as wide as its
+    call per sequence or a mask over the whole row, and for short contexts): each microbatch as wide as its
     longest sequence, the input a [rows, width] token tensor. The sequences, longest first, cut into
     ``count`` contiguous groups so that the costliest microbatch, rows x L x (L + ``linear_cost``) for a group
     of longest length L, costs as little as possible; the longest come first.
@@ -61,6 +61,8 @@ class Packing:
             raise ValueError(f"the context is {self.context} positions; it must be at least 1")
         if not (math.isfinite(self.linear_cost) and self.linear_cost >= 0):
             raise ValueError(f"linear_cost is {self.linear_cost}; it must be finite and at least 0")
+        if self.one_row and self.mode != "ragged":
+            raise ValueError(f"one_row is a layout of ragged microbatches, not of {self.mode!r} ones")
 
     def layout(self, lengths: Sequence[int], count: int) -> Layout:
         """Which sequences (indices into ``lengths``) sit in each row of each of the ``count`` microbatches."""
@@ -96,7 +98,7 @@ class Packing:
         out: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []
         for rows in self.layout(lengths, count):
             tokens, labels, positions, segments = self._fill(examples, rows, self._width(lengths, rows))
-            out.append(((tokens, positions, segments) if self._segmented else tokens, (labels, w)))
+            out.append(((tokens, positions, segments) if self.segmented else tokens, (labels, w)))
         return out
 
     def _check(self, lengths: Sequence[int], count: int) -> None:
@@ -110,9 +112,9 @@ class Packing:
                 raise ValueError(f"sequence {i} is {n} tokens long; a sequence holds one token at least")
 
     @property
-    def _segmented(self) -> bool:
+    def segmented(self) -> bool:
         """Rows of several sequences: the input carries positions and segments."""
-        return self.mode == "pack" or (self.mode == "ragged" and self.one_row)
+        return self.mode == "pack" or self.one_row
 
     def _width(self, lengths: Sequence[int], rows: list[list[int]]) -> int:
         """A microbatch's width: the context; for ``ragged`` its one row's sequences together, or one a row its
@@ -130,7 +132,7 @@ class Packing:
         labels = torch.full(shape, IGNORE, dtype=torch.int64)
         positions = torch.zeros(shape, dtype=torch.int64)
         segments = torch.full(shape, -1, dtype=torch.int64)
-        packed = self._segmented
+        packed = self.segmented
         for r, row in enumerate(rows):
             start = 0
             for slot, i in enumerate(row):

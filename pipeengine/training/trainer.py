@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -100,8 +100,6 @@ class Trainer:
             torch.manual_seed(cfg.model.seed)   # a model whose data is drawn at random draws it alike on every rank
             m = cfg.model
             model = load_model(m.name, m.preset, cfg.data.path, m.dropout, m.context, m.packing)
-            if model.packing is not None:   # ragged one row a microbatch: on CPU only (packing.py)
-                model.packing = replace(model.packing, one_row=model.packing.one_row and self.device.type == "cpu")
             if model.data is None:
                 raise ValueError(f"--model {cfg.model.name!r} gives no data (Model.data is None): the trainer needs "
                                  f"a Dataset or examples by index; see README: your own model")

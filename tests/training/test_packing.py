@@ -68,7 +68,7 @@ def check_build(p: Packing, lengths: list[int], count: int, seed: int) -> None:
     examples = examples_of(lengths, seed)
     built = p.build(examples, count, weight=0.375)
     assert len(built) == count
-    rows_of_several = p.mode == "pack" or (p.mode == "ragged" and p.one_row)
+    rows_of_several = p.segmented
     assert [tuple(x[0].shape if rows_of_several else x.shape) for x, _ in built] == p.shapes(lengths, count)
     assert sum(numel(x) for x, _ in built) == p.positions(lengths, count)
     for rows, (x, (labels, w)) in zip(layout, built):
@@ -229,7 +229,7 @@ def test_the_gpt_loss_and_gradients_are_the_same_padded_packed_or_ragged() -> No
         try:
             layers = gpt.build(cfg, seed=0)
             total = torch.zeros(())
-            packing = Packing(mode.split(",")[0], cfg.block_size, linear_cost=192.0, one_row="," not in mode)
+            packing = Packing(mode.split(",")[0], cfg.block_size, linear_cost=192.0, one_row=mode == "ragged")
             for x, y in packing.build(examples, 3, 3 / real):
                 for layer in layers:
                     x = layer(x)
@@ -297,7 +297,7 @@ def test_a_torch_dataset_with_lengths_is_packed_by_the_feed() -> None:
     assert real < squares <= 8 * real   # the sum of n² over sequences of 1 to 8 tokens, some longer than 1
     assert sum(int((y != IGNORE).sum()) for _, (y, _) in mbs) < real        # this replica's share only
     sizes = feed.sizes()   # replica 0's first microbatches, relative to the first (the profile's sample)
-    assert sizes is not None and len(sizes) == 2 and sizes[0] == 1.0 and sizes[1] > 0   # ragged: widths of its own
+    assert sizes is not None and len(sizes) == 2 and sizes[0] == 1.0 and sizes[1] <= 1.0   # ragged: widest first
     with pytest.raises(ValueError, match="a stream cannot be packed ahead"):
         Feed(iter(Seqs().seqs), None, 0, Batch(12, 2, 3), 2, 1, 3, 0, False, packing)
 
