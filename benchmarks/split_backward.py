@@ -40,9 +40,10 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = gpt.Config(block_size=a.seq, n_layer=a.blocks, n_head=8, n_embd=a.width)
     chain = LayerChain([gpt.Block(cfg) for _ in range(a.blocks)], 1)
-    # a middle stage of a zero-bubble schedule: GPT blocks are torch's Linear and LayerNorm only, so it runs in one
-    # part and W makes no autograd call ([Note: W without the engine] in pipeengine/runtime/direct.py); the fused
-    # backward is the same stage's B without a W
+    # a middle stage of a zero-bubble schedule (segmented=True asks for segments, as the engine does): GPT blocks
+    # are torch's Linear and LayerNorm only, so it runs in one part all the same and W makes no autograd call
+    # ([Note: W without the engine] in pipeengine/runtime/direct.py); the fused backward is the same stage's B
+    # without a W
     stage = Stage(chain, 1, 3, gpt.loss_fn, 1, segmented=True)
     x = torch.randn(a.batch, a.seq, a.width)
     gy = torch.randn(a.batch, a.seq, a.width)

@@ -25,9 +25,10 @@ at all ([Note: W without the engine] in direct.py). Otherwise W makes one autogr
 under one ``GraphExecGroup``, so a layer that recomputes
 itself recomputes once in W, not once per group. Each call's cost grows with the graph below its branch
 nodes (autograd walks it to find what is needed), so a stage of several layers runs B and W a layer at a
-time ([Note: segments] in stage.py). The groups are found once per graph shape (:class:`Recipe`: node types,
-edges and which parameter each AccumulateGrad is, checked per microbatch by a cheaper walk, :func:`shape_of`),
-and the parameters' AccumulateGrad nodes once per stage.
+time, unless it is past the first stage and every layer's W needs no autograd call ([Note: segments] in
+stage.py). The groups are found once per graph shape (:class:`Recipe`: node types, edges and which parameter each
+AccumulateGrad is, checked per microbatch by a cheaper walk, :func:`shape_of`), and the parameters'
+AccumulateGrad nodes once per stage.
 
 A graph holding a custom ``autograd.Function`` is split at all only if nothing proves it unsafe,
 and nothing can: its backward may change its incoming gradient in place (a gradient B kept for W

@@ -17,7 +17,7 @@ post-accumulate hooks, which the gradient all-reduce uses).
 - ``ConvolutionBackward0``: ``convolution_backward`` with the mask [False, weight, bias].
 
 Same kernels, same arguments: the gradients are autograd's bit for bit (``tests/runtime/test_direct.py``
-checks every kind, with and without a bias, frozen parts, and under bf16 autocast, against the fused
+checks Linear, LayerNorm and Conv1d, with and without a bias, frozen parts, and under bf16 autocast, against the fused
 backward). Anything else goes through autograd as before: another node kind, a view or another op
 between the node and a parameter, a group of several branch nodes, a saved tensor with hooks
 (``torch.utils.checkpoint``, offloading: their unpacking belongs to the engine), a parameter with a

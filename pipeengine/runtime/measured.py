@@ -7,13 +7,14 @@ from typing import Sequence
 
 from ..schedule import Costs, Schedule
 
-__all__ = ["LayerCost", "Choice", "position_sizes", "with_transfers", "sized", "one_part"]
+__all__ = ["LayerCost", "Choice", "position_sizes", "with_transfers", "sized", "segmented"]
 
 
-def one_part(first: bool, covered: bool) -> bool:
-    """A split-backward stage of several layers runs in one part, not a layer at a time ([Note: segments] in
-    stage.py): past the first stage, when every layer's W needs no autograd call (direct.covers)."""
-    return not first and covered
+def segmented(first: bool, layers: int, recompute: bool, shared: bool, covered: bool) -> bool:
+    """Whether a split-backward stage runs B and W a layer at a time ([Note: segments] in stage.py): it has several
+    layers, no recompute and no parameter in two of them, and is the first stage or has a layer whose W needs
+    autograd (``covered``: every layer's W needs no autograd call, direct.covers)."""
+    return layers > 1 and not recompute and not shared and (first or not covered)
 
 
 @dataclass

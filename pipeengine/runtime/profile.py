@@ -7,6 +7,7 @@ rank every layer's costs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import os
@@ -44,7 +45,7 @@ class _LayerTimer:
         self.target = target if self.kind == 2 else None
         self.device = device
         self.params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        self.saved: dict[int, int] = {}   # storage -> bytes kept for backward by the last forward
+        self.saved: dict[int, int] = {}   # storage -> bytes kept for backward by the last counted forward
         self.out: Any = None               # the output of the last forward
         self.held_for_w = 0                # bytes a split backward's B kept for W (the last split run)
 
@@ -54,13 +55,17 @@ class _LayerTimer:
             self.saved[storage.data_ptr()] = storage.nbytes()
         return t.detach()   # not ``t``: the stage frees its output's storage in place after F
 
-    def run(self, x: Any, split_backward: bool) -> tuple[float, float, float]:
-        """One microbatch: seconds of F, of B (the fused backward if not split) and of W."""
-        self.saved.clear()
+    def run(self, x: Any, split_backward: bool, count: bool = False) -> tuple[float, float, float]:
+        """One microbatch: seconds of F, of B (the fused backward if not split) and of W; with ``count`` also the
+        bytes F keeps for backward (``saved``). Only an uncounted run is timed as the engine runs: a saved-tensor
+        hook costs F time and sends W through autograd ([Note: W without the engine] in direct.py)."""
+        if count:
+            self.saved.clear()
         self.stage.reset()
         synchronize(self.device)
         t0 = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) if count else contextlib.nullcontext()
+        with hooks:
             self.out = self.stage.forward(0, detach(x), self.target, True)
         synchronize(self.device)
         t1 = time.perf_counter()
@@ -96,8 +101,8 @@ def _measure(timer: _LayerTimer, x: Any, split: bool | None, repeats: int, min_t
     rep, timed = 0, 0.0
     while rep <= repeats or ((timed < min_time or not _stable([sum(t[:3]) for t in times]))
                              and rep <= max_repeats):
-        fused_run = timer.run(x, False) if split is not True else None
-        split_run = timer.run(x, True) if split is not False else None
+        fused_run = timer.run(x, False, count=not rep) if split is not True else None   # (the warm-up counts)
+        split_run = timer.run(x, True, count=not rep) if split is not False else None
         if rep:   # the first run warms up
             if fused_run and split_run:
                 times.append(((fused_run[0] + split_run[0]) / 2, *split_run[1:], fused_run[1]))

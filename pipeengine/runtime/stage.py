@@ -78,7 +78,7 @@ from .backward import (Recipe, WeightGroup, accumulators, backward_keeping, back
                        walk, weight_groups)
 from .chain import LayerChain, LayerError
 from .direct import covers
-from .measured import one_part
+from .measured import segmented as segments_apart
 from .options import PRECISIONS, check_choice, parse_recompute
 from .tensors import detach, device_of, floating, to_float
 
@@ -172,13 +172,14 @@ class Stage:
         # per part: its parameters and, once split, their AccumulateGrad nodes. See [Note: segments]
         per_layer = [tuple(p for p in layer.parameters() if p.requires_grad) for layer in layers]
         shared = len({id(p) for ps in per_layer for p in ps}) < sum(map(len, per_layer))
-        self.segmented = (segmented and per is None and len(layers) > 1 and not shared
-                          and not one_part(self.is_first, covers(module)))
+        self.segmented = segmented and segments_apart(self.is_first, len(layers), per is not None, shared,
+                                                      covers(module))
         self._part_params = per_layer if self.segmented else [self.params]
         self._recipes: list[dict[tuple[Any, ...], Recipe]] = [{} for _ in self._part_params]
         self._marks: list[dict[Any, int] | None] = [None] * len(self._part_params)   # AccumulateGrad node -> param
-        # this step's sums of (outputs or the loss, input gradients), one per tensor: non-finite when one held a NaN or
-        # an inf (or its values added up beyond float32's range, see _count_nonfinite)
+        # this step's sums of (outputs, input gradients), one per tensor (the last stage's first flag comes from its
+        # losses, see nonfinite): non-finite when one held a NaN or an inf (or its values added up beyond float32's
+        # range, see _count_nonfinite)
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def reset(self) -> None:

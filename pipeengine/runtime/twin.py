@@ -19,8 +19,8 @@ the host, :func:`predict` gives
   model, measured before the first step);
 * **the step time**: the simulated step of the lowered schedule with each stage's own costs and transfers, where a
   stage's F, B and W are its layers' measured phases with the engine's own cost counted once (the profile timed it
-  around every layer; a split backward runs a stage a layer at a time unless W needs no autograd call, so
-  there it stays), plus posting the
+  around every layer; a split backward runs a stage a layer at a time, past the first stage unless W needs no
+  autograd call (measured.segmented), so there it stays), plus posting the
   position's transfers (:class:`Host`), and under recompute B runs F again (and a split W runs from the roots
   again: F, B and W); stretched when the node's processes want more cores than it has (no faster than the node's
   work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2
@@ -41,7 +41,7 @@ from ..schedule.actions import Kind
 from ..schedule.lower import lower
 from ..schedule.simulate import stage_peaks
 from .links import Links
-from .measured import LayerCost, one_part, sized, with_transfers
+from .measured import LayerCost, segmented, sized, with_transfers
 
 __all__ = ["MemoryParts", "Host", "HOST", "HOST_CUDA", "Twin", "stage_memory", "stage_costs", "predict", "per_stage",
            "PARTS", "BACKWARD_SET", "held_activations"]
@@ -120,14 +120,13 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
 
 
 def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float],
-                     split: frozenset[tuple[int, int, int]] | None = None) -> float:
+                     split: frozenset[tuple[int, int, int]]) -> float:
     """The most ``position`` holds at once of what its microbatches keep: per stage ``keep`` bytes from F until B
     (until W when split) and ``for_w`` more from a split B until its W, walked in the order its program runs them
     (at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together).
-    Nothing for a forward-only schedule. ``split``: the schedule's :meth:`~Schedule.split_backwards`, if known."""
+    Nothing for a forward-only schedule. ``split``: the schedule's :meth:`~Schedule.split_backwards`."""
     if schedule.forward_only:
         return 0.0
-    split = schedule.split_backwards() if split is None else split
     live = peak = 0.0
     for a in schedule.compute_actions(position):
         s = schedule.stage(position, a.chunk)
@@ -207,7 +206,8 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
         # the engine's own cost: once per stage, but once per layer where a split backward runs the stage a layer
         # at a time ([Note: segments] in stage.py; not under recompute, nor past the first stage where every
         # layer's W needs no autograd call)
-        once = not split or regions[s] is not None or one_part(s == 0, all(c.direct_w for c in layers))
+        once = not split or not segmented(s == 0, len(layers), regions[s] is not None, False,
+                                          all(c.direct_w for c in layers))   # (ties: not seen here)
         phases = [sum(c.phases(split)[k] - once * c.host_phases(split)[k] for c in layers)
                   + once * max(c.host_phases(split)[k] for c in layers) for k in range(3)]
         p = schedule.placement(s)[0]

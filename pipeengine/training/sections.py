@@ -152,8 +152,8 @@ class OptimizerConfig:
     def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer for ``params`` (the engine's factory), at the peak learning rate: torch's fused
         implementation where the parameters' device has one (CPU and CUDA: one kernel per parameter, the default
-        implementation's results to the last bits; on CPU an AdamW step about 6x faster: benchmarks/README.md), else the
-        default one."""
+        implementation's results up to rounding; on CPU an AdamW step about 6x faster: benchmarks/README.md), else
+        the default one."""
         import torch   # not at the top: --help stays quick
 
         def make(fused: bool | None) -> torch.optim.Optimizer:

@@ -202,7 +202,8 @@ def early_receives(steps: list[list[str]], got: list[str]) -> int:
     assert sorted(got) == sorted(a for st in steps for a in st), f"posted {got}, the program's steps are {steps}"
     pos = {a: i for i, a in enumerate(got)}
     fixed = [a for st in steps for a in st if not a.startswith("recv") or a.startswith("recvH")]
-    assert [a for a in got if a in set(fixed)] == fixed, f"sends and headers out of program order: {got}"
+    kept = set(fixed)
+    assert [a for a in got if a in kept] == fixed, f"sends and headers out of program order: {got}"
     early = 0
     for k, st in enumerate(steps):
         later_sends = [pos[a] for a in (steps[k + 1] if k + 1 < len(steps) else []) if a.startswith("send")]

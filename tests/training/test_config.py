@@ -226,7 +226,7 @@ def test_print_config_writes_every_setting_under_its_flags_name_and_reads_back(t
 def test_the_trainers_optimizer_is_torchs_fused_one_where_the_device_has_it(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """--optimizer adamw|sgd: torch's fused step on CPU, the same hyperparameters, the default step's results to the
-    last bits; where torch has no fused kernel (refused at construction) the default implementation."""
+    rounding; where torch has no fused kernel (refused at construction) the default implementation."""
     import torch
     cfg = parse_args(["--optimizer", name, "--lr", "0.01", "--weight-decay", "0.1"]).optimizer
     torch.manual_seed(0)
