@@ -77,7 +77,7 @@ def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[i
 def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int],
            training: bool = False) -> dict[str, Any]:
     """torch's schedule on the same stages; ``training``: step() and what a training loop adds to it, and ours
-    does inside its step (the global gradient norm for clipping: one all-reduce over the pipeline; the
+    does inside its step (the global gradient norm for clipping: one all-reduce over the pipeline, as ours sums it; the
     optimizer step; zeroing the gradients)."""
     import torch.distributed.pipelining as pipelining
     v = default_chunks(name)

@@ -1,11 +1,11 @@
-"""The collectives that end a step: one all-reduce over the pipeline, and the loss summed over replicas.
+"""The collectives that end a step: one sum over the pipeline, and the loss summed over replicas.
 
 [Note: the end of a step]
 The DP all-reduce of a rank's gradients is posted bucket by bucket, asynchronously: on CUDA from
 inside the backward that finalises each bucket (grad_sync.py), elsewhere right after the last
 backward (B or W) in the rank's program, so it overlaps the cooldown of the other positions; it is
-awaited after the program ends. Tied copies are then summed over their tie group. One all-reduce
-over the pipeline then carries the squared gradient norm (once per logical parameter), the loss
+awaited after the program ends. Tied copies are then summed over their tie group. One sum over the
+pipeline ([Note: the pipeline's sum]) then carries the squared gradient norm (once per logical parameter), the loss
 and, per stage, whether its outputs or gradients went non-finite (numerics.SignalVector); the loss
 is summed over the replicas (each microbatch's loss was divided by the step's microbatches over every
 replica: the sum is the global batch's mean) on the device, with each replica's origin (where it went
@@ -14,6 +14,14 @@ read through the watch ([Note: no hidden syncs] in device.py). Every rank thus t
 (``on_nonfinite="skip"``: parameters, optimizer state and buffers unchanged) or raise
 ``NonFiniteError`` naming the first stage that went non-finite (``"stop"``). Every wait is timed
 and watched (faults.py).
+
+[Note: the pipeline's sum]
+Each rank of a pipeline sends its signal vector to the pipeline's first position, which adds them and
+sends the total back: one hop after the last rank is done when that is the first position (the last backward
+of every schedule here is position 0's), two otherwise. Gloo's all-reduce of a small vector takes rounds of
+messages after the last rank comes, each a waiting process to wake: on this 2-core machine, with the first of 4
+ranks 5 ms late, it took 3.4-5.6 ms to reach every rank, this 0.6-0.7 ms (2 ranks: 0.45-0.5 ms both). The sum is
+exact in any order (a slot holds one rank's value, or counts), so every rank gets the all-reduce's bits.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .device import constant
 from .faults import Watch
@@ -32,6 +41,8 @@ from .stage import Stage
 from .topology import ProcessGroups, Topology
 
 __all__ = ["Consensus", "Decision"]
+
+SUM_TAG = 2**25   # the pipeline's sum on the pp group (the wire's tags are below 2**24, on the world group)
 
 Wait = Callable[[Any, str, Sequence[int]], None]
 
@@ -46,14 +57,16 @@ class Consensus:
         self.watch = watcher   # reads what the device computed (polled on CUDA, see faults.Watch.host_values)
         position, replica = topology.position_of(rank), topology.replica_of(rank)
         self.last_rank = topology.rank(last_position, replica)   # where the loss is computed
+        self.root = topology.rank(0, replica)   # where the pipeline's sum is taken ([Note: the pipeline's sum])
         self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
         self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
         # parameters -> their squared gradient norms (ZeRO-1 sums them over the replicas' shards: zero.py)
         self.squares: Callable[[Sequence[torch.Tensor | None]], torch.Tensor] = lambda ps: _squares(ps, device)
+        self._params: dict[int, tuple[list[nn.Parameter], int]] = {}   # stage -> (parameters, first slot)
 
     def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None,
                 riders: torch.Tensor | None = None) -> Decision:
-        """Gradient norm, loss, non-finite flags and stop requests of the whole pipeline (one all-reduce over it),
+        """Gradient norm, loss, non-finite flags and stop requests of the whole pipeline (one sum over it),
         the loss and stop requests summed over the replicas with every replica's origin (one all-reduce over
         them), read by the host once with ``riders`` (this rank's device values the host needs: which parameters
         got gradients) (``stop``: a signal this rank got)."""
@@ -61,21 +74,18 @@ class Consensus:
         if stop is not None:
             vec.request_stop(stop)
         for st in stages:
-            stage_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-            for index, layer in zip(plan.layers_of(st.index), st.module.layers):
-                params = list(layer.parameters())
-                squares = self.squares(params)
-                stage_sq += squares.sum()   # tied copies too: any non-finite gradient
-                skipped = [i for i, p in enumerate(params) if id(p) in norm_skip]   # (a tie's copies count once)
-                if skipped:
-                    squares = squares.index_fill(0, constant(skipped, torch.long, self.device), 0.0)
-                vec.set_grad_sq(plan.param_slot(index), squares)
-            vec.add_stage(st.index, st.nonfinite(), (~torch.isfinite(stage_sq)).double())
-        if stages[-1].is_last:
-            vec.set_loss(torch.stack(stages[-1].losses).double().sum())
+            params, first = self._params_of(st, plan)
+            squares = self.squares(params)
+            sums = st.step_sums()
+            vec.add_stage(st.index, torch.cat([sums, squares.sum(0, keepdim=True)]))   # tied copies too
+            skipped = [i for i, p in enumerate(params) if id(p) in norm_skip]   # (a tie's copies count once)
+            if skipped:
+                squares = squares.index_fill(0, constant(skipped, torch.long, self.device), 0.0)
+            vec.set_grad_sq(first, squares)
+            if st.is_last:
+                vec.set_loss(sums[0])   # the losses' sum
         if self.topology.pp > 1:
-            self.wait(dist.all_reduce(vec.tensor, group=self.groups.pp_group, async_op=True),
-                      "the end-of-step all-reduce", self.pp_peers)
+            vec.tensor = self._sum_over_pipeline(vec.tensor)
         parts = [vec.tensor]
         if self.topology.dp > 1:
             parts.append(self._over_replicas(vec.replica_part(self.topology.dp, self.topology.replica_of(self.rank))))
@@ -89,6 +99,34 @@ class Consensus:
         stops = len(signals.stops)
         summed = values[n:n + 1 + stops + self.topology.dp]
         return Decision(signals, summed[0], summed[1:1 + stops], summed[1 + stops:], ride)
+
+    def _params_of(self, stage: Stage, plan: Plan) -> tuple[list[nn.Parameter], int]:
+        """A stage's parameters in the model's order, layer by layer, and the first one's slot (numerics.py)."""
+        got = self._params.get(stage.index)
+        if got is None:
+            got = self._params[stage.index] = ([p for layer in stage.module.layers for p in layer.parameters()],
+                                               plan.param_slot(plan.bounds[stage.index]))
+        return got
+
+    def _sum_over_pipeline(self, mine: torch.Tensor) -> torch.Tensor:
+        """The pipeline's sum of ``mine`` on every rank of it, through its first position ([Note: the pipeline's
+        sum])."""
+        what, group = "the end-of-step sum over the pipeline", self.groups.pp_group
+        if self.rank != self.root:
+            total = torch.empty_like(mine)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, self.root, group, SUM_TAG),
+                                                dist.P2POp(dist.irecv, total, self.root, group, SUM_TAG)]):
+                self.wait(work, what, [self.root])
+            return total
+        parts = [torch.empty_like(mine) for _ in self.pp_peers]
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, part, peer, group, SUM_TAG)
+                                            for part, peer in zip(parts, self.pp_peers)]):
+            self.wait(work, what, self.pp_peers)
+        total = torch.stack([mine, *parts]).sum(0)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, total, peer, group, SUM_TAG)
+                                            for peer in self.pp_peers]):
+            self.wait(work, what, self.pp_peers)
+        return total
 
     def _over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the replicas, on the device (the host reads it with the rest)."""
@@ -125,8 +163,11 @@ def _squares(params: Sequence[torch.Tensor | None], device: torch.device) -> tor
     """Each parameter's squared gradient norm (float64; 0 for None or no gradient): per-tensor norms in the
     gradients' own dtype (one fused kernel), squared in float64."""
     grads = [(i, p.grad.detach()) for i, p in enumerate(params) if p is not None and p.grad is not None]
+    if not grads:
+        return torch.zeros(len(params), dtype=torch.float64, device=device)
+    squares = torch.stack(torch._foreach_norm([g for _, g in grads])).double().pow(2)   # (a wider dtype: exact)
+    if len(grads) == len(params):
+        return squares
     out = torch.zeros(len(params), dtype=torch.float64, device=device)
-    if grads:
-        norms = torch.stack([n.double() for n in torch._foreach_norm([g for _, g in grads])])
-        out[constant([i for i, _ in grads], torch.long, device)] = norms.pow(2)
+    out[constant([i for i, _ in grads], torch.long, device)] = squares
     return out

@@ -1,4 +1,4 @@
-"""Numerics at the end of a step: what every rank learns in one all-reduce, non-finite reports, fp16 loss scaling."""
+"""Numerics at the end of a step: what every rank learns in one sum, non-finite reports, fp16 loss scaling."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # in the precede
 
 @dataclass
 class StepSignals:
-    """What every rank of a pipeline knows after the step's one all-reduce (see :class:`SignalVector`)."""
+    """What every rank of a pipeline knows after the step's one sum over it (see :class:`SignalVector`)."""
 
     grad_sq: float                  # squared gradient norm, each logical parameter counted once
     loss: float                     # this replica's step loss (the last stage's microbatch losses, summed)
@@ -43,18 +43,18 @@ class StepSignals:
 
 
 class SignalVector:
-    """The float64 vector a step all-reduces over its pipeline: the layout of :class:`StepSignals` in one place.
+    """The float64 vector a step sums over its pipeline (consensus.py): the layout of :class:`StepSignals` in one place.
 
     ``[loss, stop requests per STOP_SIGNALS, (outputs, input grads, weight grads) per stage, squared norm per
     parameter]``;
-    each rank adds its share in place on the device (no host sync until the all-reduce has been waited
+    each rank adds its share in place on the device (no host sync until the sum has been waited
     for). A stop request (Ctrl-C, SIGTERM, SIGHUP on any rank) rides here, so every rank of the
     pipeline learns it at the same step without asking the store.
 
     [Note: the norm in the model's order]
     Each parameter's squared gradient norm has a slot of its own, in the model's parameter order
     (layer by layer, ``plan.param_slot``), written by the one rank that counts it; after the
-    all-reduce (a sum of one value and zeros: exact) every rank adds the slots in that order. The
+    pipeline's sum (of one value and zeros: exact) every rank adds the slots in that order. The
     norm, and so the clipping, is the same to the last bit whatever the split, where per-rank
     partial sums would add the same numbers in another order.
     """
@@ -76,14 +76,14 @@ class SignalVector:
     def request_stop(self, signum: int) -> None:
         self.tensor[1 + STOP_SIGNALS.index(signum)] = 1
 
-    def add_stage(self, stage: int, outputs_and_grads: torch.Tensor, grads_nonfinite: torch.Tensor) -> None:
-        """A stage's non-finite counts (outputs, input gradients), and whether its weight gradients are."""
+    def add_stage(self, stage: int, sums: torch.Tensor) -> None:
+        """A stage's float64 sums of (outputs or losses, input gradients, squared weight-gradient norms): each
+        counts as non-finite where it is."""
         start = self._flags + 3 * stage
-        self.tensor[start:start + 2] += outputs_and_grads
-        self.tensor[start + 2] += grads_nonfinite
+        self.tensor[start:start + 3].add_(torch.isfinite(sums).logical_not_())
 
     def replica_part(self, dp: int, replica: int) -> torch.Tensor:
-        """What the replicas sum, on the device (after the pipeline's all-reduce): ``[loss, stop requests, origin
+        """What the replicas sum, on the device (after the pipeline's sum): ``[loss, stop requests, origin
         per replica]``, this replica's :meth:`StepSignals.origin` in its own slot (no host read: the replicas'
         all-reduce follows on the device, and the host reads both results at once)."""
         out = torch.zeros(self._flags + dp, dtype=torch.float64, device=self.tensor.device)
@@ -97,7 +97,7 @@ class SignalVector:
         return out
 
     def decode(self, values: Sequence[float]) -> StepSignals:
-        """The signals, from the all-reduced tensor's values (read by the host through the watch)."""
+        """The signals, from the summed tensor's values (read by the host through the watch)."""
         flags = list(values[self._flags:self._norms])
         grad_sq = 0.0
         for square in values[self._norms:]:   # in the model's order: see the note

@@ -178,7 +178,7 @@ class Stage:
         self._recipes: list[dict[tuple[Any, ...], Recipe]] = [{} for _ in self._part_params]
         self._marks: list[dict[Any, int] | None] = [None] * len(self._part_params)   # AccumulateGrad node -> param
         # this step's sums of (outputs, input gradients), one per tensor (the last stage's first flag comes from its
-        # losses, see nonfinite): non-finite when one held a NaN or an inf (or its values added up beyond float32's
+        # losses, see step_sums): non-finite when one held a NaN or an inf (or its values added up beyond float32's
         # range, see _count_nonfinite)
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
@@ -239,7 +239,7 @@ class Stage:
                 roots = tuple(floating(out))
         if not train:
             return None if self.is_last else out
-        if not self.is_last:   # (the last stage's flag comes from its losses, see nonfinite)
+        if not self.is_last:   # (the last stage's flag comes from its losses, see step_sums)
             self._count_nonfinite(0, roots)
         # the parts: each from its inputs (the stage's, or a cut's) to its roots (a cut's, or the stage's); a cut's
         # roots and inputs are the same storage, which lives on as long as a layer saved it ([Note: segments])
@@ -355,12 +355,13 @@ class Stage:
         self.sums[i].extend(t.detach().sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
                             for t in tensors)   # (no graph kept alive)
 
-    def nonfinite(self) -> torch.Tensor:
-        """This step's (outputs or loss, input gradients) flags on the device: 1.0 where a NaN or inf went by."""
+    def step_sums(self) -> torch.Tensor:
+        """This step's float64 sums on the device, (the losses or the outputs, the input gradients): non-finite where
+        a NaN or an inf went by (:meth:`_count_nonfinite`); the last stage's first is the step's loss."""
         sums = (self.losses if self.is_last else self.sums[0], self.sums[1])
         device = next((x.device for s in sums for x in s), device_of((), self.params))   # (no parameters: CPU)
-        return torch.stack([(~torch.isfinite(torch.stack(s).double().sum() if s else torch.zeros((), device=device)))
-                            .double() for s in sums])
+        return torch.stack([torch.stack(s).double().sum() if s else
+                            torch.zeros((), dtype=torch.float64, device=device) for s in sums])
 
     def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
         if self.is_last:

@@ -2,7 +2,7 @@
 
 After its program (engine.py) a rank waits for its data-parallel gradient sync (grad_sync.py; ZeRO-1's
 reduce-scatter, zero.py), sums tied copies (ties.py), unscales an fp16 loss scale, and joins the one
-all-reduce over the pipeline (consensus.py, [Note: the end of a step]); every rank then takes the same
+sum over the pipeline (consensus.py, [Note: the end of a step]); every rank then takes the same
 decision: step (clipping to the global norm), skip (``on_nonfinite="skip"``: parameters, optimizer
 state and buffers unchanged) or raise :class:`NonFiniteError` naming the first stage that went
 non-finite. Replicas then take replica 0's buffers (BatchNorm statistics), as DDP does.
@@ -109,8 +109,8 @@ class Update:
         return sync_start, synced
 
     def _decide(self, result: StepResult, riders: torch.Tensor | None) -> list[float]:
-        """The decision every rank takes alike from the step's one all-reduce ([Note: the end of a step]); the
-        values of ``riders`` (device flags the host needs too), read with it."""
+        """The decision every rank takes alike from the step's one sum over the pipeline ([Note: the end of a step]);
+        the values of ``riders`` (device flags the host needs too), read with it."""
         e = self.engine
         decision = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request, riders)
         signals, origins = decision.signals, decision.origins

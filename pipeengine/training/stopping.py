@@ -13,7 +13,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 class StopRequest:
     """Catches Ctrl-C, SIGTERM and SIGHUP (a closed terminal) and hands the signal to ``on_signal`` (the
-    engine's ``stop_request``: the next step's one all-reduce tells every rank, so every rank stops after
+    engine's ``stop_request``: the next step's sum over the pipeline tells every rank, so every rank stops after
     the same step and names the same signal). A second Ctrl-C aborts at once."""
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
