@@ -325,7 +325,7 @@ class PipelineEngine:
                 if self.needs_data else ([], []))
         state = StepState(train, keep_outputs, *data)
         state.key = step_key(self.seed, self.step_count, train)
-        self.wire.begin_step(shape_table(state.inputs), self._ahead[train])   # [Note: ragged microbatches]
+        self.wire.begin_step(shape_table(state.inputs), self._ahead[train], train)   # [Note: ragged microbatches]
         # one low-precision copy per weight and step; the caller's RNG as it was (rng.py)
         with cast_cache_scope(self.device, self.precision), kept(generator_of(self.device)):
             for idx, step in enumerate(program):

@@ -35,6 +35,17 @@ program order number, so nothing can match it but its own send, no wait comes so
 send still completes no later; strict mode and NCCL post exactly the program (their per-peer order is the proof's).
 The price is one comm step's receive buffers held a little longer.
 
+[Note: the first payload with its header]
+A stream's header and its first payload would be two rendezvous in a row on the step's critical path (the fill:
+each hop of 1F1B's first microbatch). In tags mode, where a stream's header (its tensors' shapes and dtypes) was
+the same in the last two steps of the same kind (train or eval), both ends take it to be the same again: the
+receiver posts the first payload's receive with its header's, and the two messages travel together. Both ends
+decide from what both saw, so they always agree; the header still comes and is checked. When it differs (shapes
+changed between steps) the sender sends a void message of the expected size where the payload was expected, and
+the payload on tags of its own (the header's block, after the header), which the receiver posts on reading the
+header: no wait comes sooner and no send later than in the program, and the void buffer is released at the step's
+end. A stream whose shapes keep changing (ragged batches) stops guessing after a miss, until two steps agree again.
+
 [Note: buffer lifetimes]
 A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
 tensor (the stage kept only its autograd node, see stage.py) is held until its send completed.
@@ -77,6 +88,7 @@ class _Transfer:
     seq: int = 0                                # position in this step's posting (= link) order
     works: list[Any] = field(default_factory=list)
     done: bool = False
+    moved: bool = False                         # a first payload on tags of its own ([Note: the first payload ...])
 
 
 Ahead = tuple[tuple[int, Action], ...]   # a comm step's receives, each with its place in the step
@@ -132,17 +144,22 @@ class Wire:
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         self._group_rank: dict[int, int] = {}
+        # (train, producer stage) -> (its last header's packed and metas, whether the one before was the same)
+        self._heard: dict[tuple[bool, int], tuple[tuple[bool, tuple[TensorMeta, ...]], bool]] = {}
         self.begin_step()
 
     # ------------------------------------------------------------------ per-step state
 
-    def begin_step(self, table: Table | None = None, ahead: Sequence[Ahead] = ()) -> None:
+    def begin_step(self, table: Table | None = None, ahead: Sequence[Ahead] = (), train: bool = True) -> None:
         """Forget the previous step's streams. ``table``: each microbatch's input shape when they differ (known where
         the data is read; elsewhere a header brings it, see [Note: ragged microbatches]); ``ahead``: the step's
         program's :func:`receives_ahead` (in tags mode they go one comm step early, see [Note: receives one step
-        early])."""
-        self._table = table
+        early]); ``train``: which kind of step, for [Note: the first payload with its header]."""
+        self._table, self._train = table, train
         self._ahead = ahead if posts_early(self.mode, self.coalesce) else ()
+        self._guessed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}   # producer stage -> the header expected
+        self._missed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}    # stage -> what its receiver expected
+        self._void: list[_Transfer] = []                                      # receives a miss left unused
         self._early: set[tuple[Kind, int, int]] = set()   # receives posted with the comm step before theirs
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
@@ -185,6 +202,10 @@ class Wire:
         metas = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)
         if a.kind is Kind.SEND_H:
             self._sent[stage] = (a.microbatch, packed, metas)
+            guess = self._guess(stage)
+            self._remember(stage, (packed, metas))
+            if guess is not None and guess != (packed, metas):
+                self._missed[stage] = guess
             return (encode_header(packed, metas, self.device, self._table, self.microbatches),)
         del self._outgoing[(Kind.F, a.microbatch, a.chunk)]
         first, first_packed, first_metas = self._sent[stage]
@@ -227,7 +248,17 @@ class Wire:
                 continue   # posted with the step before ([Note: receives one step early])
             tr = self._transfer(a, seqs[a])
             transfers.append(tr)
+            miss = self._missed.pop(self.stage_of(a.chunk), None) if a.kind is Kind.SEND_F else None
+            if miss is not None:   # [Note: the first payload with its header]
+                void = _Transfer(a, tr.rank, tuple(torch.empty(m.shape, dtype=self._on_wire(m.dtype),
+                                                               device=self.device) for m in miss[1]), tr.seq)
+                self._sends.append(void)
+                ops += self._ops(void)
+                tr.moved = True
             ops += self._ops(tr)
+            if a.kind is Kind.RECV_H and (guess := self._guess(self.stage_of(a.chunk) - 1)) is not None:
+                self._guessed[self.stage_of(a.chunk) - 1] = guess
+                self._streams[self.stage_of(a.chunk) - 1] = (a.microbatch, *guess)
         ahead = self._ahead[self._steps] if self._steps < len(self._ahead) else ()
         self._steps += 1
         for i, a in ahead:
@@ -241,7 +272,14 @@ class Wire:
                 self._complete(tr)
                 values = self._watch().host_values(tr.tensors[0], (tr.action,), [tr.rank], error=P2PTimeout)
                 packed, metas, self._table = decode_header(values)
-                self._streams[self.stage_of(tr.action.chunk) - 1] = (tr.action.microbatch, packed, metas)
+                producer = self.stage_of(tr.action.chunk) - 1
+                self._streams[producer] = (tr.action.microbatch, packed, metas)
+                self._remember(producer, (packed, metas))
+                guess = self._guessed.pop(producer, None)
+                if guess is not None and guess != (packed, metas):   # the first payload comes on tags of its own
+                    key = (Kind.RECV_F, tr.action.microbatch, tr.action.chunk)
+                    self._void.append(self._incoming[key])
+                    self._issue(self._ops(self._transfer(self._void[-1].action, self._void[-1].seq, moved=True)))
 
     def settle(self, after_compute: bool = True) -> bool:
         """Complete what the proven program completes before the next comm step: Gloo's earlier sends
@@ -273,11 +311,11 @@ class Wire:
             fn = self._pg.send if tr.action.kind.is_send else self._pg.recv
             tr.works.append(fn([t], self._group_rank[tr.rank], tag))
 
-    def _transfer(self, a: Action, seq: int) -> _Transfer:
+    def _transfer(self, a: Action, seq: int, moved: bool = False) -> _Transfer:
         """The transfer of comm action ``a``, its buffers made (a receive) or taken (a send), and registered."""
         tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
         tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors), seq,
-                       done=not tensors)
+                       done=not tensors, moved=moved)
         if a.kind.is_send:
             self._sends.append(tr)
         elif a.kind is not Kind.RECV_H:
@@ -286,12 +324,28 @@ class Wire:
 
     def _ops(self, tr: _Transfer) -> list[tuple[_Transfer, torch.Tensor, int]]:
         base = self._tag(tr.action)
+        if base is not None and tr.moved:
+            base += 2 * 16 + 1   # the header's block (F: 0, H: 2), after the header's one tensor
         return [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
 
     def _known(self, a: Action) -> bool:
-        """Whether receive ``a``'s buffers can be made now: its stream's header came (recvF) or was sent (recvB)."""
+        """Whether receive ``a``'s buffers can be made now: its stream's header came (recvF; or it is the first payload
+        of a stream whose header is expected, [Note: the first payload with its header]) or was sent (recvB)."""
         stage = self.stage_of(a.chunk)
-        return (stage - 1 in self._streams) if a.kind is Kind.RECV_F else (stage in self._sent)
+        if a.kind is not Kind.RECV_F:
+            return stage in self._sent
+        stream = self._streams.get(stage - 1)
+        return stream is not None and (stage - 1 not in self._guessed or stream[0] == a.microbatch)
+
+    def _guess(self, producer: int) -> tuple[bool, tuple[TensorMeta, ...]] | None:
+        """The header both ends expect of ``producer``'s stream this step: the last one where the one before was the
+        same, in tags mode (None: no guess), see [Note: the first payload with its header]."""
+        last = self._heard.get((self._train, producer))
+        return last[0] if last is not None and last[1] and self._ahead else None
+
+    def _remember(self, producer: int, heard: tuple[bool, tuple[TensorMeta, ...]]) -> None:
+        last = self._heard.get((self._train, producer))
+        self._heard[(self._train, producer)] = (heard, last is not None and last[0] == heard)
 
     # ------------------------------------------------------------------ completion
 
@@ -329,15 +383,15 @@ class Wire:
             self.coalesce and tr.works and all(w.is_completed() for w in tr.works)))]
 
     def finish(self) -> None:
-        """Wait until every send of the step completed and release it."""
-        for tr in self._sends:
+        """Wait until every send of the step (and every receive a miss left unused) completed and release it."""
+        for tr in self._sends + self._void:
             self._complete(tr)
-        self._sends = []
+        self._sends, self._void = [], []
         self._last_step = []
         leftover = [str(k) for k in self._incoming] + [str(k) for k in self._outgoing]
         assert not leftover, f"step ended with transfers never used: {leftover}"
 
     def live_tensors(self) -> list[torch.Tensor]:
         """Every buffer the wire holds right now (sends in flight, receives not yet taken)."""
-        return [t for tr in [*self._sends, *self._incoming.values()] for t in tr.tensors] + [
+        return [t for tr in [*self._sends, *self._incoming.values(), *self._void] for t in tr.tensors] + [
             t for _, ts in self._outgoing.values() for t in ts]

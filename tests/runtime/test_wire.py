@@ -1,4 +1,5 @@
-"""The wire: header codec, explicit header steps, tuples stay tuples, shape changes, tag space, timeouts."""
+"""The wire: header codec, explicit header steps, tuples stay tuples, shape changes, the first payload with its
+header, tag space, timeouts."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 
 from pipeengine.runtime.faults import watch
 from pipeengine.runtime.header import HEADER_LEN, TensorMeta, decode_header, describe, encode_header, header_length
-from pipeengine.runtime.wire import P2PTimeout, Wire
+from pipeengine.runtime.wire import P2PTimeout, Wire, receives_ahead
 from pipeengine.schedule import Action, Kind
-from tests.harness import run_distributed
+from tests.harness import WorldPool, run_distributed
 
 
 def test_header_round_trip() -> None:
@@ -150,3 +151,49 @@ def test_header_steps_tuples_shape_change_and_posted_ops(mode: str, request: pyt
         assert r1[4].startswith("rank 1: waits 2.0 s in recvF2<0 for rank(s) 0: no completion after 2 s"), r1[4]
         # the wait-for report: rank 0 was alive and said so
         assert "\n  rank 0: runs outside the engine" in r1[4], r1[4]
+
+
+SHAPES = [(4, 8), (4, 8), (4, 8), (2, 8), (2, 8), (2, 8), (4, 8), (4, 8), (4, 8)]   # the first payload's, per step
+
+
+def guessing(rank: int, world: int, train_flags: list[bool]) -> list[tuple[bool, list[int], bool]]:
+    """Steps whose stream's shapes change now and then; per step on the receiving rank: whether the first payload's
+    receive went with the header's, the tags its data came on, and whether it arrived intact."""
+    program = [(A("sendH0>1"),), (A("sendF0>1"),)] if rank == 0 else [(A("recvH0<0"),), (A("recvF0<0"),)]
+    wire = Wire(torch.device("cpu"), lambda p: p, lambda c: rank, 2, 1, mode="tags")
+    out = []
+    for step, (shape, train) in enumerate(zip(SHAPES, train_flags)):
+        wire.begin_step(None, receives_ahead(program), train)
+        wire.log = []
+        x = torch.arange(shape[0] * shape[1], dtype=torch.float32).view(shape) + step
+        if rank == 0:
+            wire.put(Kind.F, 0, 0, x)
+            for st in program:
+                wire.post(st)
+        else:
+            wire.post(program[0])
+            with_header = any(a.startswith("recvF") for a, *_ in wire.log)
+            wire.post(program[1])
+            got = wire.take(Kind.RECV_F, 0, 0)
+            out.append((with_header, sorted({tag for a, way, _, tag, n in wire.log if a.startswith("recvF")}),
+                        torch.equal(got, x)))
+        wire.finish()
+        assert not wire.live_tensors()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_first_payload_goes_with_its_header_once_two_steps_agreed(world2: WorldPool) -> None:
+    """[Note: the first payload with its header]: no guess until two steps of a kind had the same header; then the
+    payload's receive goes with the header's; a changed shape sends a void message where the payload was expected and
+    the payload on the header's block of tags (16 x 2 + 1 on), and stops the guessing until two steps agree again;
+    train and eval steps guess apart. Every payload arrives intact."""
+    _, got = world2.run(guessing, [True] * len(SHAPES), timeout=50)
+    normal, moved = [0], [33]
+    assert got == [(False, normal, True), (False, normal, True), (True, normal, True),   # two agreed: a guess
+                   (True, normal + moved, True), (False, normal, True), (True, normal, True),   # a miss, then agreed
+                   (True, normal + moved, True), (False, normal, True), (True, normal, True)], got
+    _, got = world2.run(guessing, [True, False] * 5, timeout=50)   # each kind sees its own history
+    # train: A A B A A (two agreed, a miss, then no guess); eval: A B B A (a miss after two Bs)
+    assert [g for g, _, _ in got] == [False, False, False, False, True, False, False, True, False], got
+    assert all(ok for _, _, ok in got), got
