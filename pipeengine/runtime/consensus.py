@@ -138,7 +138,7 @@ class Consensus:
         """Mean loss of an eval step on every rank: summed on the last stage, shared, summed over DP; one read."""
         value = torch.zeros(1, dtype=torch.float64, device=self.device)
         if last.is_last:
-            value += torch.stack(last.losses).double().sum()
+            value += last.loss_terms().double().sum()
         if self.topology.pp > 1:
             self.wait(dist.broadcast(value, src=self.last_rank, group=self.groups.pp_group, async_op=True),
                       "the loss broadcast", self.pp_peers)

@@ -165,7 +165,8 @@ class Stage:
             self.regions = [LayerChain(layers[i:i + size], module.first + i) for i in range(0, len(layers), size)]
         self.saved: dict[int, list[_Saved]] = {}   # per microbatch, its parts, first layer first
         self.peak_stored = 0
-        self.losses: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []   # each microbatch's, not yet divided (loss_terms)
+        self._seed: tuple[Any, torch.Tensor] | None = None   # the loss's gradient, made once (_root_grads)
         self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self._anchor = torch.empty(0, requires_grad=True)   # what the stage's inputs hang from (_Arrival)
@@ -272,11 +273,14 @@ class Stage:
                              "train; compute the loss from the output with differentiable torch operations")
         if keep_output:
             self.outputs[mb] = detach(out)
-        loss = (loss if loss.dim() == 0 else loss.reshape(())) / self.microbatches
+        loss = loss if loss.dim() == 0 else loss.reshape(())
         self.losses.append(loss.detach())
-        if not train:
-            return ()
-        return (loss if self.loss_scale == 1.0 else loss * self.loss_scale,)   # (x * 1.0 is x, bit for bit)
+        return (loss,) if train else ()   # divided by the microbatches (and scaled) in its gradient: _root_grads
+
+    def loss_terms(self) -> torch.Tensor:
+        """This step's microbatch losses, each divided by the step's microbatches over every replica (their sum is
+        the global batch's mean)."""
+        return torch.stack(self.losses) / self.microbatches
 
     def backward(self, mb: int, grads: Tensors | None, split: bool) -> Tensors:
         """Run B; return the gradients of the stage's floating-point inputs (empty on the first stage)."""
@@ -358,17 +362,27 @@ class Stage:
     def step_sums(self) -> torch.Tensor:
         """This step's float64 sums on the device, (the losses or the outputs, the input gradients): non-finite where
         a NaN or an inf went by (:meth:`_count_nonfinite`); the last stage's first is the step's loss."""
-        sums = (self.losses if self.is_last else self.sums[0], self.sums[1])
-        device = next((x.device for s in sums for x in s), device_of((), self.params))   # (no parameters: CPU)
-        return torch.stack([torch.stack(s).double().sum() if s else
-                            torch.zeros((), dtype=torch.float64, device=device) for s in sums])
+        outputs = self.loss_terms() if self.is_last and self.losses else _stacked(self.sums[0])
+        both = (outputs, _stacked(self.sums[1]))
+        device = next((x.device for x in both if x is not None), device_of((), self.params))   # (no parameters: CPU)
+        return torch.stack([x.double().sum() if x is not None else torch.zeros((), dtype=torch.float64, device=device)
+                            for x in both])
 
     def _root_grads(self, mb: int, saved: _Saved, grads: Tensors | None) -> Tensors:
-        if self.is_last:
-            return (torch.ones_like(saved.roots[0]),)
+        if self.is_last:   # d(loss * scale / microbatches), as autograd would compute it: (1 * scale) / microbatches
+            loss = saved.roots[0]
+            key = (loss.dtype, loss.device, self.loss_scale, self.microbatches)
+            if self._seed is None or self._seed[0] != key:
+                one = torch.ones_like(loss)
+                self._seed = (key, (one if self.loss_scale == 1.0 else one * self.loss_scale) / self.microbatches)
+            return (self._seed[1].clone(),)   # (a fresh tensor: a hook may change a gradient in place)
         if grads is None:
             raise RuntimeError(f"stage {self.index} microbatch {mb}: backward needs the output gradients")
         if len(grads) != len(saved.roots):
             raise RuntimeError(f"stage {self.index} microbatch {mb}: got {len(grads)} output gradients "
                                f"for {len(saved.roots)} floating-point outputs")
         return grads
+
+
+def _stacked(values: list[torch.Tensor]) -> torch.Tensor | None:
+    return torch.stack(values) if values else None
