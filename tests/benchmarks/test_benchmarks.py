@@ -154,9 +154,10 @@ def test_memory_smoke(scripts: Any) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["schedule"], r["pp"], r["m"]) for r in rows] == [("1f1b", 2, 8), ("1f1b", 2, 12)]
     ours = [[rank["growth_mib"] for rank in r["results"]["ours"]] for r in rows]
-    # flat in m (MiB, page rounding), once 1F1B has a steady state: at m 4 the last stage never holds the next
-    # forward's input received early beside the gradient still being sent (wire.py), one activation less
-    assert all(abs(a - b) <= 1.0 for a, b in zip(*ours)), ours
+    # flat in m (growth would be 4 activations of 2 MiB): within one activation, as whether the last stage holds the
+    # next forward's input, received early, beside a gradient still being sent depends on timing (wire.py; it never
+    # does at m 4); under the suite's load m 8 once held it and m 12 did not (10.6 / 11.9 MiB), alone both do
+    assert all(abs(a - b) <= 2.5 for a, b in zip(*ours)), ours
     held = [max(rank["held_mib"] for rank in r["results"]["torch"]) for r in rows]
     assert held[1] > held[0] + 4 * 2 * 0.9, held                       # torch: a receive buffer per microbatch
 
