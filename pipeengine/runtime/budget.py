@@ -6,7 +6,8 @@ process's own among them, as the twin counts them, twin.py) the plan is the one 
 whose every position's predicted peak fits. Candidates: each schedule of :data:`SHAPES` that compiles for
 pp and m (or only the one named), each on the split whose simulated step is shortest and on the split that
 balances parameters; on each, every stage takes the least recompute that lets its position fit (none, then
-every K layers for K from the stage's length down to 1, then the whole stage), the positions one by one.
+selective where the profile measured it, then every K layers for K from the stage's length down to 1, then the
+whole stage), the positions one by one.
 A budget below the least any candidate needs is refused with one line naming that least.
 """
 
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 from ..schedule import Schedule, compile_schedule
 from .links import Links
 from .measured import LayerCost
+from .options import SELECTIVE
 from .planner import PartitionError, balance_min_max, choose_bounds
 from .twin import Twin, predict
 
@@ -28,8 +30,8 @@ SHAPES = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv", "v-half", "v-min")
 
 
 def recompute_text(k: int | None) -> str:
-    """A stage's recompute as the engine takes it: none, full or every:K."""
-    return "none" if k is None else "full" if k == 0 else f"every:{k}"
+    """A stage's recompute as the engine takes it: none, selective, full or every:K."""
+    return "none" if k is None else "selective" if k == SELECTIVE else "full" if k == 0 else f"every:{k}"
 
 
 @dataclass
@@ -56,9 +58,11 @@ class BudgetChoice:
         return "\n".join(lines)
 
 
-def _recompute_options(layers: int) -> list[int | None]:
-    """A stage's recompute from the least to the most: none, every K for K = layers - 1 .. 1, full."""
-    return [None, *range(layers - 1, 0, -1), 0]
+def _recompute_options(layers: Sequence[LayerCost]) -> list[int | None]:
+    """A stage's recompute from the least to the most: none, selective (where measured: it recomputes only the cheap
+    ops), every K for K = layers - 1 .. 1, full."""
+    selective = [SELECTIVE] if all(c.selective_bytes is not None for c in layers) else []
+    return [None, *selective, *range(len(layers) - 1, 0, -1), 0]
 
 
 def _fit(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, budget: float,
@@ -70,7 +74,7 @@ def _fit(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, 
     for p in range(schedule.pp):
         mine = [schedule.stage(p, c) for c in range(schedule.chunks)]
         for s in sorted(mine, key=lambda s: -(bounds[s + 1] - bounds[s])):   # the longest stage first
-            for k in _recompute_options(bounds[s + 1] - bounds[s]):
+            for k in _recompute_options(costs[bounds[s]:bounds[s + 1]]):
                 if twin.memory[p].total <= budget:
                     break
                 chosen[s] = k

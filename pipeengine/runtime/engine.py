@@ -64,7 +64,9 @@ class PipelineEngine:
             entry's value wins at the start.
         grad_clip: clip the global gradient norm to this value (None: only measure it).
         seed: factories build layer i under ``layer_seed(seed, i)``.
-        recompute: activation recompute per stage: "none", "full" or "every:K" (layers per region).
+        recompute: activation recompute per stage: "none", "selective" (each layer keeps its matrix products'
+            outputs and recomputes the rest), "full" or "every:K" (layers per region); see [Note: recompute] in
+            recompute.py.
         precision: "fp32", "bf16" (autocast, bf16 activations between stages, fp32 parameters,
             gradients and optimizer state) or "fp16" (the same with a dynamic loss scale, CUDA only).
         wire: "tags" (Gloo default) or "strict" (NCCL's per-peer order emulated on Gloo), see wire.py.
@@ -122,7 +124,7 @@ class PipelineEngine:
                    "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps,
                    "memory_budget": memory_budget},
             links=links_for(self.topology, self.device, link_gbps), sizes=microbatch_sizes,
-            memory_budget=memory_budget, facts=facts)
+            memory_budget=memory_budget, facts=facts, selective=recompute == "selective")
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
         self.microbatches = self.schedule.microbatches   # this replica's
         counts = list(self.plan.counts or [self.microbatches] * self.topology.dp)

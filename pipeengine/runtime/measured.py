@@ -38,6 +38,10 @@ class LayerCost:
     held_for_w: int = 0   # bytes a split backward's B keeps until W (gradients for the weights), when timed split
     grad_bytes: int | None = None   # bytes of its trainable parameters (their gradients); None: all of them
     direct_w: bool = False   # its W needs no autograd call (direct.covers): a stage of such layers runs in one part
+    # under recompute "selective" (measured when asked): bytes a microbatch keeps (its input and its matrix products'
+    # outputs; None: not measured) and the seconds the recompute adds to its backward
+    selective_bytes: int | None = None
+    selective_s: float = 0.0
 
     @property
     def trainable_bytes(self) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 __all__ = ["PRECISIONS", "WIRE_MODES", "BOUNDARY_DTYPES",
            "ON_NONFINITE", "STARTUP_TIMEOUT", "check_choice", "check_timeout",
-           "check_grad_clip", "parse_recompute", "check_engine_arguments", "checked_optimizer"]
+           "check_grad_clip", "parse_recompute", "SELECTIVE", "check_engine_arguments", "checked_optimizer"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")   # fp32 throughout; bf16 autocast; fp16 autocast with a loss scale (CUDA)
 WIRE_MODES = ("tags", "strict")         # Gloo: a tag per transfer, or NCCL's per-peer order emulated
@@ -55,15 +55,22 @@ def check_grad_clip(name: str, value: float | None) -> float | None:
     return float(value)
 
 
+SELECTIVE = -1   # parse_recompute's code for "selective" ([Note: recompute] in recompute.py)
+
+
 def parse_recompute(spec: str, name: str = "recompute") -> int | None:
-    """Layers per recompute region: ``none`` -> None, ``full`` -> 0 (the whole stage), ``every:K`` -> K."""
+    """Layers per recompute region: ``none`` -> None, ``full`` -> 0 (the whole stage), ``every:K`` -> K,
+    ``selective`` -> :data:`SELECTIVE` (each layer a region that keeps its matrix products)."""
     if spec == "none":
         return None
     if spec == "full":
         return 0
+    if spec == "selective":
+        return SELECTIVE
     if isinstance(spec, str) and spec.startswith("every:") and spec[6:].isdigit() and int(spec[6:]) >= 1:
         return int(spec[6:])
-    raise ValueError(f"{name} must be 'none', 'full' or 'every:K' with K >= 1 layers per region (got {spec!r})")
+    raise ValueError(f"{name} must be 'none', 'selective', 'full' or 'every:K' with K >= 1 layers per region "
+                     f"(got {spec!r})")
 
 
 def check_engine_arguments(layers: Any, loss_fn: Any, optimizer: Any, precision: str, recompute: str, wire: str,

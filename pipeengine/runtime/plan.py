@@ -91,7 +91,7 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
               device: torch.device | None = None, validate_schedule: bool = True,
               agree: Mapping[str, Any] | None = None, links: Links | Callable[[], Links] | None = None,
               sizes: Sequence[float] | None = None, memory_budget: float | None = None,
-              facts: Mapping[str, Any] | None = None) -> Plan:
+              facts: Mapping[str, Any] | None = None, selective: bool = False) -> Plan:
     """The plan every rank uses (collective; see the module docstring).
 
     Args:
@@ -114,9 +114,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
             collective that measures them, called on every rank once they agree on the settings); the split,
             auto's choice and the predicted step count the transfers. None: free.
         sizes: each microbatch's size relative to ``sample`` (their own lengths), for the split, auto, the step.
-        memory_budget, facts: bytes per rank, and what the twin takes of the run beyond the plan; see
-            :func:`_budget_plan`.
-    """
+        memory_budget, facts: bytes per rank, and what the twin takes of the run beyond the plan (:func:`_budget_plan`);
+            ``selective``: the profile also measures recompute "selective" (so does a budget)."""
     auto = schedule == "auto" and pp > 1
     counts = _counts(microbatches, schedule)
     microbatches, uneven = max(counts), len(set(counts)) > 1
@@ -124,7 +123,8 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     sizing = sizing_layers(layers)
     params = tuple(len(list(m.parameters())) for m in sizing)   # parameter tensors per layer
     _check_same_everywhere(seed, sizing, dict(agree or {}))
-    measured, linked = _measured(layers, pp, partition, seed, sample, loss_fn, device, precision, compiled, links)
+    measured, linked = _measured(layers, pp, partition, seed, sample, loss_fn, device, precision, compiled, links,
+                                 selective or memory_budget is not None)
     if memory_budget is not None:
         return _budget_plan(len(layers), params, measured, schedule, pp, counts, memory_budget, linked, sizes, facts)
     decided = decided_by_rank0(
@@ -148,16 +148,17 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
 def _measured(layers: Sequence[LayerSpec], pp: int, partition: str | Sequence[int], seed: int,
               sample: tuple[Any, Any] | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
               device: torch.device | None, precision: str, compiled: Schedule,
-              links: Links | Callable[[], Links] | None) -> tuple[list[LayerCost], Links | None]:
+              links: Links | Callable[[], Links] | None, selective: bool) -> tuple[list[LayerCost], Links | None]:
     """With the profile partition: every layer's measured costs (at pp 1 too: the twin predicts the run from them,
-    twin.py) and the links (measured first, when there are any); else nothing."""
+    twin.py; ``selective``: with what recompute "selective" keeps and costs) and the links (measured first, when
+    there are any); else nothing."""
     if partition != "profile":
         return [], None
     if loss_fn is None:
         raise ValueError("partition='profile' times the loss too: pass loss_fn")
     linked = (links() if callable(links) else links) if pp > 1 else None
     return profile_shares(layers, seed, sample, loss_fn, device or torch.device("cpu"), precision,
-                          compiled.split_backward), linked
+                          compiled.split_backward, selective), linked
 
 
 def _budget_plan(num_layers: int, params: tuple[int, ...], measured: Sequence[LayerCost], schedule: str | Schedule,

@@ -39,9 +39,9 @@ class _LayerTimer:
     last with the loss), timed phase by phase; counts the bytes its forward keeps for backward."""
 
     def __init__(self, layer: nn.Module, index: int, num_layers: int, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 target: Any, device: torch.device, precision: str) -> None:
+                 target: Any, device: torch.device, precision: str, recompute: str = "none") -> None:
         self.kind = 0 if index == 0 else 2 if index == num_layers - 1 else 1   # first, middle or last stage
-        self.stage = Stage(LayerChain([layer], index), self.kind, 3, loss_fn, 1, precision=precision)
+        self.stage = Stage(LayerChain([layer], index), self.kind, 3, loss_fn, 1, recompute, precision=precision)
         self.target = target if self.kind == 2 else None
         self.device = device
         self.params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -188,14 +188,15 @@ def _host_cost(device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor]
 def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: Any, *,
                    loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
                    precision: str = "fp32", split: bool | None = None, repeats: int = 3,
-                   min_time: float = 0.1, max_repeats: int = 25) -> list[LayerCost]:
+                   min_time: float = 0.1, max_repeats: int = 25, selective: bool = False) -> list[LayerCost]:
     """Measure ``layers`` (model layers ``first``, ``first + 1``, ...) on one microbatch ``x``, the input of
     ``layers[0]``: each layer runs F, B and W as a one-layer stage of the engine (the model's first layer
     as a first stage, its last with ``loss_fn`` on ``target``). Median of at least ``repeats`` runs after
     one warm-up, more until ``min_time`` seconds were timed and the median is stable (at most ``max_repeats``
     runs), so that a short slow spell of a shared machine does not decide; each cost carries its runs' spread
     and its layer's kind (:func:`shared_costs` gives alike layers one cost). ``split``: time the split
-    backward (True), the fused one (False) or both (None).
+    backward (True), the fused one (False) or both (None); ``selective``: also what recompute "selective" keeps
+    of each layer and the time it adds (:func:`_selective`).
 
     The layers are used as given: pass copies (profiling runs them in train mode, so BatchNorm
     statistics move, and leaves gradients behind).
@@ -214,13 +215,29 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
                                host=host, held_for_w=timer.held_for_w,
                                grad_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()
                                               if p.requires_grad), direct_w=covers(layer)))
+        if selective:
+            costs[-1] = _selective(costs[-1], layer, first + i, num_layers, x, loss_fn, target, device, precision)
         x = timer.out
     return costs
 
 
+def _selective(cost: LayerCost, layer: nn.Module, index: int, num_layers: int, x: Any,
+               loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
+               precision: str) -> LayerCost:
+    """``cost`` with what recompute "selective" keeps of the layer (counted on a warm-up run) and the seconds it adds
+    to F + the fused backward (median of 3 runs against the measured ones)."""
+    timer = _LayerTimer(layer, index, num_layers, loss_fn, target, device, precision, recompute="selective")
+    timer.run(x, False, count=True)
+    runs = [timer.run(x, False) for _ in range(3)]
+    for p in layer.parameters():
+        p.grad = None
+    again = statistics.median(f + b for f, b, _ in runs) - (cost.f + cost.fused)
+    return replace(cost, selective_bytes=sum(timer.saved.values()), selective_s=max(0.0, again))
+
+
 def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any] | None,
                    loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device, precision: str,
-                   split: bool | None) -> list[LayerCost]:
+                   split: bool | None, selective: bool = False) -> list[LayerCost]:
     """Every layer's measured costs, on every rank. Rank r profiles a contiguous share of the layers
     (copies, or built from the factories) on its own device: it receives its share's input from rank
     r - 1, passes its share's output on at once (one forward, no grad), then times its share while
@@ -240,7 +257,7 @@ def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any
         if rank < owners:
             shares = partition(list(range(n)), owners, "uniform")   # type: ignore[arg-type]
             result = _profile_share(specs, shares[rank], shares[rank + 1], seed, sample, loss_fn, device,
-                                    precision, split, rank, owners, group)
+                                    precision, split, rank, owners, group, selective)
         everyone = gathered(result if isinstance(result, list) else None, result if isinstance(result, str) else None,
                             group=group)
     finally:
@@ -254,7 +271,8 @@ def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any
 
 def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, sample: tuple[Any, Any],
                    loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device, precision: str,
-                   split: bool | None, rank: int, owners: int, group: Any) -> list[LayerCost] | str:
+                   split: bool | None, rank: int, owners: int, group: Any,
+                   selective: bool) -> list[LayerCost] | str:
     """This rank's share of :func:`profile_shares`: its layers' costs, or the error as text."""
     x: Any = to_device(sample[0], device)
     if rank > 0:
@@ -278,7 +296,7 @@ def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, samp
                 dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1, group=group)
                 passed = True
             result = profile_layers(layers, lo, len(specs), x, loss_fn=loss_fn, target=to_device(sample[1], device),
-                                    device=device, precision=precision, split=split)
+                                    device=device, precision=precision, split=split, selective=selective)
             if not passed:
                 dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1, group=group)
         return result

@@ -50,16 +50,6 @@ stage gains too: only its first layer's inputs need no gradient, so only that la
 Not with recompute (its regions are the parts), nor when two layers share a parameter (W would then add its
 gradients in another order than the fused backward), nor where W needs no autograd call (a stage past the
 first of torch's layers only: [Note: W without the engine] in direct.py).
-
-[Note: recompute]
-``recompute="full"`` runs the stage's layers as one ``torch.utils.checkpoint`` region
-(non-reentrant; each layer's random stream is keyed, rng.py, so the recomputation draws F's masks
-without a stashed RNG state), so a microbatch keeps only its stage input until its
-backward recomputes the rest; ``"every:K"`` makes one region of every K consecutive layers. A
-recomputation leaves the region's buffers (BatchNorm's running statistics) as it found them: they
-moved once, in F, as without recompute.
-(Recompute is what torch calls activation checkpointing; in pipeengine a checkpoint is a saved
-training state.)
 """
 
 from __future__ import annotations
@@ -70,7 +60,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .arrival import Arrived
@@ -79,7 +68,8 @@ from .backward import (Recipe, WeightGroup, accumulators, backward_keeping, back
 from .chain import LayerChain, LayerError
 from .direct import covers
 from .measured import segmented as segments_apart
-from .options import PRECISIONS, check_choice, parse_recompute
+from .options import PRECISIONS, SELECTIVE, check_choice, parse_recompute
+from .recompute import recompute_contexts, selective_contexts
 from .tensors import detach, device_of, floating, to_float
 
 __all__ = ["Stage", "DTYPES", "cast_cache_scope"]
@@ -87,30 +77,6 @@ __all__ = ["Stage", "DTYPES", "cast_cache_scope"]
 Tensors = tuple[torch.Tensor, ...]
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert tuple(DTYPES) == PRECISIONS
-
-
-class _BuffersKept:
-    """While a region is recomputed, its persistent buffers (BatchNorm's running statistics) change nothing:
-    they are put back as they were when the recomputation began (it ran once already, in F)."""
-
-    def __init__(self, region: nn.Module) -> None:
-        buffers = {id(b) for b in region.buffers()}   # the persistent ones: state, not masks or caches
-        self.buffers = [t for t in region.state_dict(keep_vars=True).values() if id(t) in buffers]
-        self.saved: list[torch.Tensor] = []
-
-    def __enter__(self) -> None:
-        self.saved = [b.clone() for b in self.buffers]
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for b, value in zip(self.buffers, self.saved):
-                b.copy_(value)
-        self.saved = []
-
-
-def _recompute_contexts(region: nn.Module) -> tuple[contextlib.AbstractContextManager[Any], _BuffersKept]:
-    """torch.utils.checkpoint's context_fn: nothing around the forward, the buffers kept around a recompute."""
-    return contextlib.nullcontext(), _BuffersKept(region)
 
 
 def cast_cache_scope(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -160,8 +126,9 @@ class Stage:
         per = parse_recompute(recompute)
         layers = list(module.layers)
         self.regions: list[LayerChain] | None = None
+        self.selective = per == SELECTIVE
         if per is not None:
-            size = per or len(layers)
+            size = 1 if self.selective else per or len(layers)
             self.regions = [LayerChain(layers[i:i + size], module.first + i) for i in range(0, len(layers), size)]
         self.saved: dict[int, list[_Saved]] = {}   # per microbatch, its parts, first layer first
         self.peak_stored = 0
@@ -199,9 +166,11 @@ class Stage:
     def _layers(self, x: Any, key: int | None, cuts: list[tuple[Tensors, Arrived, Tensors]] | None = None) -> Any:
         if self.regions is None:
             return self.module(x, key, None if cuts is None else functools.partial(self._cut, cuts))
+        contexts = selective_contexts if self.selective else recompute_contexts
         for region in self.regions:   # the key is an argument: the recomputation reseeds as F did (rng.py)
             x = _checkpoint(region, x, key, use_reentrant=False, preserve_rng_state=key is None,
-                            context_fn=functools.partial(_recompute_contexts, region))
+                            context_fn=functools.partial(contexts, region),
+                            respect_saved_tensors_hooks=True if self.selective else None)
         return x
 
     def _cut(self, cuts: list[tuple[Tensors, Arrived, Tensors]], y: Any) -> Any:
@@ -298,9 +267,11 @@ class Stage:
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
         roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
         anchor = (self._anchor,) if saved.hangs else ()   # autograd reaches the part's inputs through it
+        split = split and not self.selective   # torch's selective regions allow one backward: fused in B
         custom, groups, rest = self._analyse(k, roots, anchor) if split and saved.hangs and roots else ([], [], None)
         if custom:
             split = False   # a custom autograd.Function: fused in B, W does nothing ([Note: split backward])
+        if not split:
             saved.roots, saved.rest = (), ()
         if split:   # See [Note: split backward] in backward.py
             saved.rest = self._part_params[k]

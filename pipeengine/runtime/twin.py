@@ -9,11 +9,11 @@ the host, :func:`predict` gives
   optimizer state (``optimizer_states`` per parameter byte, over dp under ZeRO-1); activations held between
   F and B (the most the position's program holds at once, walked in its order, :func:`held_activations`: each
   microbatch from F until its release keeps its stage's layers' saved bytes, or under recompute only each
-  region's input; between a split B and its W also the gradients W starts from, as the profile measured them;
-  at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together);
-  buffers (scratch: backward's
-  working set while one microbatch is in B, :data:`BACKWARD_SET` times the largest layer's saved bytes, and
-  under recompute the region recomputed; the wire's: the largest boundary tensor and its gradient per
+  region's input (under "selective" what the profile counted each layer keep); between a split B and its W also
+  the gradients W starts from, as the profile measured them; at most the sum of the stages' own peaks: a V's or
+  an interleaved position's stages need not peak together); buffers (scratch: backward's working set while one
+  microbatch is in B, :data:`BACKWARD_SET` times the largest layer's saved bytes, and under recompute the region
+  recomputed; the wire's: the largest boundary tensor and its gradient per
   microbatch in flight, and one more with ``early_receives`` (Gloo's tags mode posts a step's receives with the
   step before, [Note: receives one step early] in wire.py); and ``runtime``: what the process holds beyond the
   model, measured before the first step);
@@ -22,7 +22,8 @@ the host, :func:`predict` gives
   around every layer; a split backward runs a stage a layer at a time, past the first stage unless W needs no
   autograd call (measured.segmented), so there it stays), plus posting the
   position's transfers (:class:`Host`), and under recompute B runs F again (and a split W runs from the roots
-  again: F, B and W); stretched when the node's processes want more cores than it has (no faster than the node's
+  again: F, B and W; "selective": B runs what the profile measured it add, the whole backward under a
+  split); stretched when the node's processes want more cores than it has (no faster than the node's
   work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2
   (dp - 1) / dp`` of the gradient bytes over the link) and the optimizer's pass over its parameters, gradients and
   state (bytes over ``optimizer_bandwidth``, timed at start).
@@ -42,6 +43,7 @@ from ..schedule.lower import lower
 from ..schedule.simulate import stage_peaks
 from .links import Links
 from .measured import LayerCost, segmented, sized, with_transfers
+from .options import SELECTIVE
 
 __all__ = ["MemoryParts", "Host", "HOST", "HOST_CUDA", "Twin", "stage_memory", "stage_costs", "predict", "per_stage",
            "PARTS", "BACKWARD_SET", "held_activations"]
@@ -114,6 +116,9 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
     """(bytes one microbatch keeps between F and B on a stage of ``layers``, bytes more while one is recomputed)."""
     if recompute is None:
         return sum(_kept(c) for c in layers), 0.0
+    if recompute == SELECTIVE:   # each layer a region: what it keeps, and one layer's rest while it is recomputed
+        return (sum(_kept(c) if c.selective_bytes is None else float(c.selective_bytes) for c in layers),
+                max(_kept(c) for c in layers))
     regions = _regions(layers, recompute)
     inputs = [input_bytes] + [float(r[-1].output_bytes) for r in regions[:-1]]
     return sum(inputs), max(sum(_kept(c) for c in r) for r in regions)
@@ -216,6 +221,9 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
         f, b, w = phases[0] + post, phases[1] + post, phases[2]
         if regions[s] is None:
             out.append((f, b, w))
+        elif regions[s] == SELECTIVE:   # the recompute in B; under a split, the whole backward in B (stage.py)
+            out.append((f, b + w + sum(c.selective_s for c in layers), 0.0) if split else
+                       (f, b + sum(c.selective_s for c in layers), w))
         elif split:   # W runs from the roots again, recomputing once ([Note: split backward] in backward.py)
             out.append((f, b + f, w + f + b))
         else:

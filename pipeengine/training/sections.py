@@ -183,9 +183,10 @@ class RecomputeConfig:
     """Activation recompute: memory for compute."""
 
     policy: str = setting("none", "recompute a stage's layers in B instead of keeping their activations: none, "
+                                  "selective (each layer keeps its matrix products' outputs, recomputes the rest), "
                                   "full (the whole stage) or every:K (every K layers); --checkpoint is its old name",
                           flag="--recompute", aliases=("--checkpoint",), check=checks.recompute,
-                          metavar="none|full|every:K")
+                          metavar="none|selective|full|every:K")
 
 
 @dataclass

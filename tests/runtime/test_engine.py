@@ -69,10 +69,10 @@ WORLD8: list[Case] = [case("mlp", "adam", "1f1b", 4, 2, 8), case("mlp", "sgd", "
                         for o in (True, False)]]
 RECOMPUTE: list[Case] = [   # bitwise equal to none, with dropout, split B/W and interleaved stages
     case("dropout", "adam", sched, 2, 1, 4, recompute=rc, **(TWO if sched.startswith("inter") else {}))
-    for sched in ("1f1b", "zb-h1", "interleaved-1f1b") for rc in ("none", "full", "every:1")]
+    for sched in ("1f1b", "zb-h1", "interleaved-1f1b") for rc in ("none", "full", "every:1", "selective")]
 BN = case("bn", "sgd", "1f1b", 1, 2, 2)
 BN_RECOMPUTE = [case("bn", "sgd", sched, 2, 1, 4, recompute=rc) for sched in ("1f1b", "zb-h1")
-                for rc in ("none", "full", "every:1")]
+                for rc in ("none", "full", "every:1", "selective")]
 
 
 def results(c: Case, request: pytest.FixtureRequest) -> list[dict]:  # type: ignore[type-arg]

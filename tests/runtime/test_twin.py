@@ -11,6 +11,7 @@ from torch import nn
 from pipeengine.runtime.budget import HEADROOM, fit_budget
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.measured import LayerCost
+from pipeengine.runtime.options import SELECTIVE
 from pipeengine.runtime.planner import PartitionError
 from pipeengine.runtime.twin import BACKWARD_SET, Host, predict, stage_costs, stage_memory
 from pipeengine.schedule import Costs, Kind, Schedule, compile_schedule, simulate
@@ -92,6 +93,36 @@ def test_recompute_trades_activations_for_a_second_forward() -> None:
     assert (b, w) == pytest.approx((2 * f, 3 * f))   # every layer: F = B = W = 1 ms
     per = stage_costs(layers(), [0, 4, 8], sched, recompute=[None, 0])   # one per stage
     assert per[0] == plain[0] and per[1] == again[1]
+
+
+def test_selective_recompute_keeps_what_the_profile_counted_and_adds_its_measured_time() -> None:
+    """"selective": each layer keeps its measured bytes (here 1 of its 3 MiB), recomputes one layer's rest at a time;
+    B gains the measured seconds; under a split schedule the stage runs its whole backward in B (W: nothing)."""
+    measured = [dataclasses.replace(c, selective_bytes=MB, selective_s=0.1e-3) for c in layers()]
+    sched = compile_schedule("1f1b", 2, 4)
+    none, sel = (stage_memory(measured, [0, 4, 8], sched, recompute=r, input_bytes=MB)[0] for r in (None, SELECTIVE))
+    assert (none.activations, sel.activations) == (2 * 4 * 3 * MB, 2 * 4 * MB)   # 2 in flight x 4 layers
+    assert sel.buffers - none.buffers == 3 * MB   # one layer's kept bytes while it is recomputed
+    plain = stage_costs(measured, [0, 4, 8], sched, host=FREE)
+    again = stage_costs(measured, [0, 4, 8], sched, host=FREE, recompute=SELECTIVE)
+    assert [x for f, b, w in again for x in (f, b - 4 * 0.1e-3, w)] == pytest.approx([x for c in plain for x in c])
+    zb = compile_schedule("zb-h1", 2, 4)
+    (f, b, w), = stage_costs(measured, [0, 4, 8], zb, host=FREE, recompute=SELECTIVE)[:1]
+    assert (f, b, w) == pytest.approx((4e-3, 4 * 2e-3 + 4 * 0.1e-3, 0.0))   # the fused backward, in B
+
+
+def test_a_budget_tries_selective_before_recomputing_whole_layers() -> None:
+    """Where the profile measured "selective" and it fits, the budget takes it (it recomputes only cheap ops: the
+    step is shorter than with every:K); where it was not measured, every:K as before."""
+    measured = [dataclasses.replace(c, selective_bytes=MB, selective_s=0.05e-3) for c in layers()]
+    free = fit_budget(measured, 2, 8, 10**12, host=FREE)
+    peak = max(m.total for m in free.twin.memory)
+    budget = (peak - max(m.activations for m in free.twin.memory) / 2) / (1 - HEADROOM)
+    chosen = fit_budget(measured, 2, 8, budget, host=FREE, schedules=["1f1b"])
+    assert "selective" in chosen.recompute and set(chosen.recompute) <= {"none", "selective"}, chosen.recompute
+    assert max(m.total for m in chosen.twin.memory) <= budget * (1 - HEADROOM)
+    unmeasured = fit_budget(layers(), 2, 8, budget, host=FREE, schedules=["1f1b"])
+    assert "selective" not in unmeasured.recompute and unmeasured.twin.step_s > chosen.twin.step_s
 
 
 def test_split_backward_keeps_output_gradients_until_w() -> None:
@@ -214,6 +245,35 @@ def test_the_engine_runs_the_recompute_a_budget_chose(one_process_group: None) -
     tight = engine((peak.total - peak.activations / 2) / (1 - HEADROOM))
     assert tight.plan.recompute != ("none",) and tight.stages[0].regions is not None
     assert tight.plan.budget is not None and tight.plan.budget.twin.memory[0].total <= peak.total - peak.activations / 2
+    losses = [e.train_batch(iter(data)).loss for e in (free, tight)]
+    assert losses[0] == losses[1]
+    assert all(torch.equal(a, b) for a, b in zip(free.parameters, tight.parameters))
+    for e in (free, tight):
+        e.close()
+
+
+def test_a_budget_chooses_selective_recompute_on_transformer_like_layers(one_process_group: None) -> None:
+    """Layers of LayerNorm, Linear, GELU, Linear (an MLP block): the profile counts what "selective" keeps (the
+    input and the two matrix products' outputs: less than without recompute, more than a region's input); a budget
+    with room for 70% of the activations runs it, the loss and weights as without recompute."""
+    def model() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+                for _ in range(4)]
+    data = [(torch.randn(512, 128), torch.randn(512, 128)) for _ in range(4)]
+    facts = {"host": FREE, "runtime": 0.0}
+
+    def engine(budget: float) -> PipelineEngine:
+        return PipelineEngine(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                              schedule="gpipe", microbatches=4, partition="profile", sample=data[0],
+                              memory_budget=budget, facts=facts)
+    free = engine(1e12)
+    assert free.plan.recompute == ("none",) and free.plan.budget is not None
+    for c in free.plan.measured[1:]:   # input 128 + 512 + 128 of the products, against 128 + 128 + 512 + 512
+        assert c.selective_bytes is not None and c.activation_bytes - c.output_bytes > c.selective_bytes > 0
+    peak = free.plan.budget.twin.memory[0]
+    tight = engine((peak.total - 0.3 * peak.activations) / (1 - HEADROOM))
+    assert tight.plan.recompute == ("selective",) and tight.stages[0].selective
     losses = [e.train_batch(iter(data)).loss for e in (free, tight)]
     assert losses[0] == losses[1]
     assert all(torch.equal(a, b) for a, b in zip(free.parameters, tight.parameters))

@@ -48,7 +48,7 @@ def problem(flags: list[str], world: int, capsys: pytest.CaptureFixture[str]) ->
      r"replicas; --microbatches 1, 2, 4, 8, 16 can"),
     (["--global-batch", "3", "--pp", "1"], 4, r"--global-batch 3 has fewer examples than dp 4 has replicas"),
     (["--schedule", "forward"], 1, r"--schedule 'forward' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
-    (["--checkpoint", "some"], 1, r"--recompute must be 'none', 'full' or 'every:K'"),
+    (["--checkpoint", "some"], 1, r"--recompute must be 'none', 'selective', 'full' or 'every:K'"),
     (["--recompute", "every:0"], 1, r"every:K' with K >= 1 layers per region \(got 'every:0'\)"),
     (["--keep", "-1"], 1, r"--keep must be >= 0 \(got -1\)"),
     (["--save-interval", "-1"], 1, r"--save-interval must be >= 0 \(got -1\)"),
