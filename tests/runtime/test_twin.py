@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -225,6 +226,32 @@ def test_a_budget_is_kept_and_a_smaller_one_costs_time() -> None:
     assert fit_budget(costs, 2, 8, needed * 1.01, host=FREE) is not None   # the least it names does fit
 
 
+def _free_and_tight(model: Any, data: list[tuple[torch.Tensor, torch.Tensor]],
+                    keep: float) -> tuple[PipelineEngine, PipelineEngine]:
+    """GPipe over ``data`` on one rank, planned without a budget and with one that has room for ``keep`` of the
+    unconstrained plan's activations."""
+    def engine(budget: float) -> PipelineEngine:
+        return PipelineEngine(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                              schedule="gpipe", microbatches=4, partition="profile", sample=data[0],
+                              memory_budget=budget, facts={"host": FREE, "runtime": 0.0})
+    free = engine(1e12)
+    assert free.plan.recompute == ("none",) and free.plan.budget is not None
+    peak = free.plan.budget.twin.memory[0]
+    tight = engine((peak.total - (1 - keep) * peak.activations) / (1 - HEADROOM))
+    assert tight.plan.budget is not None and tight.plan.budget.twin.memory[0].total <= (
+        peak.total - (1 - keep) * peak.activations)
+    return free, tight
+
+
+def _same_step(free: PipelineEngine, tight: PipelineEngine, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One step of each: the same loss and weights, bit for bit."""
+    losses = [e.train_batch(iter(data)).loss for e in (free, tight)]
+    assert losses[0] == losses[1]
+    assert all(torch.equal(a, b) for a, b in zip(free.parameters, tight.parameters))
+    for e in (free, tight):
+        e.close()
+
+
 def test_the_engine_runs_the_recompute_a_budget_chose(one_process_group: None) -> None:
     """One rank, six Linear+GELU layers, GPipe over four 2,048-row microbatches (about 4 MiB kept per layer each): a
     budget that leaves room for half the activations makes the stage recompute, and the step's loss and weights
@@ -233,23 +260,9 @@ def test_the_engine_runs_the_recompute_a_budget_chose(one_process_group: None) -
         torch.manual_seed(0)
         return [nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)]
     data = [(torch.randn(2048, 256), torch.randn(2048, 256)) for _ in range(4)]
-    facts = {"host": FREE, "runtime": 0.0}
-
-    def engine(budget: float) -> PipelineEngine:
-        return PipelineEngine(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
-                              schedule="gpipe", microbatches=4, partition="profile", sample=data[0],
-                              memory_budget=budget, facts=facts)
-    free = engine(1e12)
-    assert free.plan.recompute == ("none",) and free.plan.budget is not None
-    peak = free.plan.budget.twin.memory[0]
-    tight = engine((peak.total - peak.activations / 2) / (1 - HEADROOM))
+    free, tight = _free_and_tight(model, data, 0.5)
     assert tight.plan.recompute != ("none",) and tight.stages[0].regions is not None
-    assert tight.plan.budget is not None and tight.plan.budget.twin.memory[0].total <= peak.total - peak.activations / 2
-    losses = [e.train_batch(iter(data)).loss for e in (free, tight)]
-    assert losses[0] == losses[1]
-    assert all(torch.equal(a, b) for a, b in zip(free.parameters, tight.parameters))
-    for e in (free, tight):
-        e.close()
+    _same_step(free, tight, data)
 
 
 def test_a_budget_chooses_selective_recompute_on_transformer_like_layers(one_process_group: None) -> None:
@@ -261,21 +274,8 @@ def test_a_budget_chooses_selective_recompute_on_transformer_like_layers(one_pro
         return [nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
                 for _ in range(4)]
     data = [(torch.randn(512, 128), torch.randn(512, 128)) for _ in range(4)]
-    facts = {"host": FREE, "runtime": 0.0}
-
-    def engine(budget: float) -> PipelineEngine:
-        return PipelineEngine(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
-                              schedule="gpipe", microbatches=4, partition="profile", sample=data[0],
-                              memory_budget=budget, facts=facts)
-    free = engine(1e12)
-    assert free.plan.recompute == ("none",) and free.plan.budget is not None
+    free, tight = _free_and_tight(model, data, 0.7)
     for c in free.plan.measured[1:]:   # input 128 + 512 + 128 of the products, against 128 + 128 + 512 + 512
         assert c.selective_bytes is not None and c.activation_bytes - c.output_bytes > c.selective_bytes > 0
-    peak = free.plan.budget.twin.memory[0]
-    tight = engine((peak.total - 0.3 * peak.activations) / (1 - HEADROOM))
     assert tight.plan.recompute == ("selective",) and tight.stages[0].selective
-    losses = [e.train_batch(iter(data)).loss for e in (free, tight)]
-    assert losses[0] == losses[1]
-    assert all(torch.equal(a, b) for a, b in zip(free.parameters, tight.parameters))
-    for e in (free, tight):
-        e.close()
+    _same_step(free, tight, data)
