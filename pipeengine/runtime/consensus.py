@@ -91,7 +91,7 @@ class Consensus:
             parts.append(self._over_replicas(vec.replica_part(self.topology.dp, self.topology.replica_of(self.rank))))
         if riders is not None:
             parts.append(riders.double())
-        values = self.watch.host_values(torch.cat(parts), "the end-of-step all-reduce", self.pp_peers + self.dp_peers)
+        values = self.watch.host_values(torch.cat(parts), "the end-of-step sum", self.pp_peers + self.dp_peers)
         n = len(vec.tensor)
         signals, ride = vec.decode(values[:n]), values[len(values) - (0 if riders is None else len(riders)):]
         if self.topology.dp == 1:

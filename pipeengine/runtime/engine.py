@@ -193,7 +193,8 @@ class PipelineEngine:
         self._last_backward = backward[-1] if backward else -1
         # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
         self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
-                                        lambda a: self.schedule.releases(self.position, a, self._split))
+                                        lambda a: a.kind is Kind.B if self.stages[a.chunk].selective   # (recompute.py)
+                                        else self.schedule.releases(self.position, a, self._split))
                         if self.grad_sync.overlap and self.topology.dp > 1 else {})
 
     def _global(self, position: int) -> int:

@@ -136,10 +136,11 @@ def nonfinite_message(step: int, signals: StepSignals, loss: float, grad_norm: f
 
 
 class LossScale:
-    """fp16's dynamic loss scale (as torch's GradScaler): the loss is multiplied by ``value`` before
-    backward; a step whose gradients overflow is skipped and halves it, 2000 good steps double it.
-    Disabled (value 1.0, never overflowing) for fp32 and bf16. At the floor, a non-finite gradient is
-    no overflow but non-finite (``on_nonfinite`` decides), or a diverged run would skip steps forever."""
+    """fp16's dynamic loss scale (as torch's GradScaler): the loss's gradient is ``value`` (divided by the
+    microbatches, stage.py), as if the loss were multiplied by it; a step whose gradients overflow is skipped and
+    halves it, 2000 good steps double it. Disabled (value 1.0, never overflowing) for fp32 and bf16. At the floor, a
+    non-finite gradient is no overflow but non-finite (``on_nonfinite`` decides), or a diverged run would skip steps
+    forever."""
 
     FLOOR = 2.0**-24
 

@@ -227,10 +227,16 @@ def _selective(cost: LayerCost, layer: nn.Module, index: int, num_layers: int, x
     """``cost`` with what recompute "selective" keeps of the layer (counted on a warm-up run) and the seconds it adds
     to F + the fused backward (median of 3 runs against the measured ones)."""
     timer = _LayerTimer(layer, index, num_layers, loss_fn, target, device, precision, recompute="selective")
-    timer.run(x, False, count=True)
-    runs = [timer.run(x, False) for _ in range(3)]
-    for p in layer.parameters():
-        p.grad = None
+    try:
+        timer.run(x, False, count=True)
+        runs = [timer.run(x, False) for _ in range(3)]
+    except (RuntimeError, ValueError) as exc:   # (e.g. an output it keeps changed in place: recompute.mutated)
+        log.warning(f"partition profile: layer {index} cannot run recompute 'selective' ({str(exc).splitlines()[0]}); "
+                    f"a memory budget will not choose it there")
+        return cost
+    finally:
+        for p in layer.parameters():
+            p.grad = None
     again = statistics.median(f + b for f, b, _ in runs) - (cost.f + cost.fused)
     return replace(cost, selective_bytes=sum(timer.saved.values()), selective_s=max(0.0, again))
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["KEPT_OPS", "recompute_contexts", "selective_contexts"]
+__all__ = ["KEPT_OPS", "recompute_contexts", "selective_contexts", "mutated"]
 
 
 class _BuffersKept:
@@ -83,3 +83,14 @@ def selective_contexts(region: nn.Module) -> tuple[contextlib.AbstractContextMan
     """context_fn of a "selective" region: torch's selective checkpoint keeping KEPT_OPS, and the buffers kept."""
     forward, again = create_selective_checkpoint_contexts(_keep_products)   # type: ignore[no-untyped-call]
     return forward, _Both(_BuffersKept(region), again)   # (the buffers saved and put back outside torch's mode)
+
+
+def mutated(exc: RuntimeError, stage: int) -> Exception:
+    """The error to raise for ``exc`` from a "selective" stage's backward: torch's refusal of a kept output changed in
+    place, said in the user's terms (anything else as it was)."""
+    if "has been mutated" not in str(exc):
+        return exc
+    return ValueError(f"stage {stage}: recompute 'selective' keeps the outputs of matrix products, convolutions and "
+                      f"attention, and a layer changed one in place (an in-place activation such as "
+                      f"ReLU(inplace=True), or += on it); make that operation out of place, or use recompute 'full' "
+                      f"or 'every:K'")

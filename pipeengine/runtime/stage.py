@@ -69,7 +69,7 @@ from .chain import LayerChain, LayerError
 from .direct import covers
 from .measured import segmented as segments_apart
 from .options import PRECISIONS, SELECTIVE, check_choice, parse_recompute
-from .recompute import recompute_contexts, selective_contexts
+from .recompute import mutated, recompute_contexts, selective_contexts
 from .tensors import detach, device_of, floating, to_float
 
 __all__ = ["Stage", "DTYPES", "cast_cache_scope"]
@@ -97,7 +97,7 @@ class _Saved:
     """One microbatch through one part of the stage: all its layers, or one layer ([Note: segments])."""
 
     inputs: Tensors                  # the first part's: the stage's received floating inputs (_Arrival outputs)
-    roots: Tensors                   # where backward starts (the scaled loss on the last stage)
+    roots: Tensors                   # where backward starts (the loss, undivided, on the last stage)
     grads: Tensors = field(default=())   # gradients of the roots (kept for W when it runs from the roots)
     groups: list[WeightGroup] = field(default_factory=list)   # split backward: what W runs from
     rest: Tensors = ()               # split backward: parameters W reaches from the roots
@@ -229,8 +229,8 @@ class Stage:
         return passed
 
     def _loss(self, mb: int, out: Any, target: Any, train: bool, keep_output: bool) -> Tensors:
-        """The last stage's loss of microbatch ``mb``, kept (divided by the step's microbatches over every replica);
-        the backward roots."""
+        """The last stage's loss of microbatch ``mb``, kept undivided (:meth:`loss_terms` divides them); the backward
+        roots (its gradient is divided and scaled instead: :meth:`_root_grads`)."""
         out_f = to_float(out)
         loss = self.loss_fn(out_f, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -283,7 +283,10 @@ class Stage:
             else:
                 saved.roots = ()   # W starts from the branch nodes: what only the roots held can go
         elif roots:
-            run_backward(roots, rgrads, (), keep_graph=False)
+            try:
+                run_backward(roots, rgrads, (), keep_graph=False)
+            except RuntimeError as exc:
+                raise mutated(exc, self.index) if self.selective else exc
         result = saved.arrived.gradients() if saved.arrived is not None else ()
         saved.inputs, saved.arrived = (), None
         return result

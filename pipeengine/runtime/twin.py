@@ -10,13 +10,13 @@ the host, :func:`predict` gives
   F and B (the most the position's program holds at once, walked in its order, :func:`held_activations`: each
   microbatch from F until its release keeps its stage's layers' saved bytes, or under recompute only each
   region's input (under "selective" what the profile counted each layer keep); between a split B and its W also
-  the gradients W starts from, as the profile measured them; at most the sum of the stages' own peaks: a V's or
-  an interleaved position's stages need not peak together); buffers (scratch: backward's working set while one
-  microbatch is in B, :data:`BACKWARD_SET` times the largest layer's saved bytes, and under recompute the region
-  recomputed; the wire's: the largest boundary tensor and its gradient per
-  microbatch in flight, and one more with ``early_receives`` (Gloo's tags mode posts a step's receives with the
-  step before, [Note: receives one step early] in wire.py); and ``runtime``: what the process holds beyond the
-  model, measured before the first step);
+  the gradients W starts from, as the profile measured them (not on a "selective" stage: its B does it all); at
+  most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together);
+  buffers (scratch: backward's working set while one microbatch is in B, :data:`BACKWARD_SET` times the largest
+  layer's saved bytes, and under recompute the region recomputed; the wire's: the largest boundary tensor and its
+  gradient per microbatch in flight, and one more with ``early_receives`` (Gloo's tags mode posts a step's
+  receives with the step before, [Note: receives one step early] in wire.py); and ``runtime``: what the process
+  holds beyond the model, measured before the first step);
 * **the step time**: the simulated step of the lowered schedule with each stage's own costs and transfers, where a
   stage's F, B and W are its layers' measured phases with the engine's own cost counted once (the profile timed it
   around every layer; a split backward runs a stage a layer at a time, past the first stage unless W needs no
@@ -125,11 +125,12 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
 
 
 def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float],
-                     split: frozenset[tuple[int, int, int]]) -> float:
+                     split: frozenset[tuple[int, int, int]], fused: frozenset[int] = frozenset()) -> float:
     """The most ``position`` holds at once of what its microbatches keep: per stage ``keep`` bytes from F until B
     (until W when split) and ``for_w`` more from a split B until its W, walked in the order its program runs them
     (at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together).
-    Nothing for a forward-only schedule. ``split``: the schedule's :meth:`~Schedule.split_backwards`."""
+    Nothing for a forward-only schedule. ``split``: the schedule's :meth:`~Schedule.split_backwards`; ``fused``:
+    stages that run their whole backward in B all the same (recompute "selective", recompute.py): B releases them."""
     if schedule.forward_only:
         return 0.0
     live = peak = 0.0
@@ -137,6 +138,8 @@ def held_activations(schedule: Schedule, position: int, keep: dict[int, float], 
         s = schedule.stage(position, a.chunk)
         if a.kind is Kind.F:
             live += keep[s]
+        elif s in fused:
+            live -= keep[s] if a.kind is Kind.B else 0.0
         elif schedule.releases(position, a, split):   # its activations go (and with a W what it kept for W)
             live -= keep[s] + (for_w[s] if a.kind is Kind.W else 0.0)
         else:   # a split B: the gradients W starts from stay until W
@@ -174,7 +177,8 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
         # the optimizer's step, once the activations are gone, makes temporaries of about a layer's parameters
         transient = max(transient, *(float(c.param_bytes) for s in stages for c in costs[bounds[s]:bounds[s + 1]]))
         held = max((peaks[s] for s in stages), default=0)
-        acts = held_activations(schedule, p, keep, for_w, split)
+        fused = frozenset(s for s in stages if regions[s] == SELECTIVE)
+        acts = held_activations(schedule, p, keep, for_w, split, fused)
         wire = boundary * (2 * (held + 1) + (early_receives and schedule.pp > 1))
         out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts, transient + wire + beyond[p]))
     return out
@@ -213,8 +217,9 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
         # layer's W needs no autograd call)
         once = not split or not segmented(s == 0, len(layers), regions[s] is not None, False,
                                           all(c.direct_w for c in layers))   # (ties: not seen here)
-        phases = [sum(c.phases(split)[k] - once * c.host_phases(split)[k] for c in layers)
-                  + once * max(c.host_phases(split)[k] for c in layers) for k in range(3)]
+        apart = split and regions[s] != SELECTIVE   # a selective stage runs the fused backward (recompute.py)
+        phases = [sum(c.phases(apart)[k] - once * c.host_phases(apart)[k] for c in layers)
+                  + once * max(c.host_phases(apart)[k] for c in layers) for k in range(3)]
         p = schedule.placement(s)[0]
         actions = sum(1 for a in schedule.compute_actions(p) if a.kind is not Kind.W)
         post = _posts(schedule, p, costs, bounds, host) / max(1, actions)

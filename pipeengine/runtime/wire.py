@@ -3,13 +3,14 @@
 [Note: the wire is the program]
 Every transfer is one comm action of the rank's validated program, posted in program order, one
 step at a time (in ``tags`` mode a step's receives may go with the step before, [Note: receives one step
-early]); nothing else goes on the wire. A forward stream (what one stage sends the next
-in one train or eval step) starts with an explicit header action ``sendH``/``recvH`` that the
-lowering puts in a step of its own before the stream's first payload (schedule/lower.py). A header
-step completes before the rank goes on, as the validator's rendezvous semantics assume of every
-step, so a payload receive is posted with known shapes and no receive is deferred (the header
-is the one transfer the host reads: once per stream and step). Gradients need no header: they
-have the shapes of what this rank sent. The header's format, and how it carries each microbatch's shapes: header.py.
+early]); nothing else goes on the wire (but one void message after a shape changed, [Note: the first payload
+with its header]). A forward stream (what one stage sends the next in one train or eval step) starts with an
+explicit header action ``sendH``/``recvH`` that the lowering puts in a step of its own before the stream's first
+payload (schedule/lower.py). A header step completes before the rank goes on, as the validator's rendezvous
+semantics assume of every step, so a payload receive is posted with known (or expected, then checked) shapes and
+no receive is deferred (the header is the one transfer the host reads: once per stream and step). Gradients need
+no header: they have the shapes of what this rank sent. The header's format, and how it carries each microbatch's
+shapes: header.py.
 
 [Note: boundary dtype]
 With ``boundary`` (``--boundary-dtype bf16``) every fp32 tensor crosses the wire as bf16, activations
@@ -27,7 +28,8 @@ is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is on
 
 [Note: receives one step early]
 In ``tags`` mode on Gloo a comm step also posts the receives of the program's next comm step (those whose shapes
-are known: not a header, nor a payload whose header has not come). Gloo moves a message only once its receive is
+are known: not a header, nor a payload whose header has not come unless expected, [Note: the first payload with
+its header]). Gloo moves a message only once its receive is
 posted (a rendezvous: about 0.1 ms here between two processes), so a receive posted with the step before is
 usually complete when the compute that takes it starts, where posted with its own step the rank would wait that
 long every time (1F1B's last stage after each B, its first after each F). Each receive keeps its own tag and its

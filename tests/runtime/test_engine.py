@@ -58,6 +58,8 @@ WORLD4: list[Case] = [
     case("mlp", "adam", "v-half", 4, 1, 8, **TWO), case("tuple", "adam", "zb-h2", 4, 1, 8),
     case("mlp", "adam", "interleaved-zb", 2, 2, 4, **TWO),
     case("mlp", "adam", "dualpipev", 2, 2, 8, **TWO, **SMALL_BUCKETS),   # in-backward all-reduce after a full B or W
+    # a selective stage's gradients are final after its B (its W does nothing): the all-reduce posts them there
+    case("mlp", "sgd", "zb-h1", 2, 2, 4, recompute="selective", overlap_grad_sync=False, **SMALL_BUCKETS),
     case("mlp", "sgd", "1f1b", 4, 1, 8, wire="tags"),
     case("dropout", "adam", "interleaved-1f1b", 2, 2, 2, **TWO), case("dropout", "adam", "dualpipev", 4, 1, 8, **TWO),
     *[c.but(overlap_grad_sync=o, **SMALL_BUCKETS) for o in (True, False)

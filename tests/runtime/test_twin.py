@@ -110,6 +110,9 @@ def test_selective_recompute_keeps_what_the_profile_counted_and_adds_its_measure
     zb = compile_schedule("zb-h1", 2, 4)
     (f, b, w), = stage_costs(measured, [0, 4, 8], zb, host=FREE, recompute=SELECTIVE)[:1]
     assert (f, b, w) == pytest.approx((4e-3, 4 * 2e-3 + 4 * 0.1e-3, 0.0))   # the fused backward, in B
+    # and B releases: as 1F1B's order holds them (2 in flight), none kept until W, no gradients waiting for W
+    zb_none, zb_sel = (stage_memory(measured, [0, 4, 8], zb, recompute=r, input_bytes=MB)[0] for r in (None, SELECTIVE))
+    assert zb_sel.activations == 2 * 4 * MB < zb_none.activations
 
 
 def test_a_budget_tries_selective_before_recomputing_whole_layers() -> None:
@@ -279,3 +282,23 @@ def test_a_budget_chooses_selective_recompute_on_transformer_like_layers(one_pro
         assert c.selective_bytes is not None and c.activation_bytes - c.output_bytes > c.selective_bytes > 0
     assert tight.plan.recompute == ("selective",) and tight.stages[0].selective
     _same_step(free, tight, data)
+
+
+def test_selective_on_a_layer_that_changes_a_kept_output_in_place() -> None:
+    """torch refuses a kept output changed in place (ReLU(inplace=True) after a Linear): the profile leaves "selective"
+    unmeasured there, so a budget never chooses it, and a stage asked for it says what to do in one line."""
+    from pipeengine.runtime.chain import LayerChain
+    from pipeengine.runtime.profile import profile_layers
+    from pipeengine.runtime.stage import Stage
+
+    def layers() -> list[nn.Module]:
+        return [nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True)) for _ in range(3)]
+    costs = profile_layers(layers(), 0, 3, torch.randn(4, 8), loss_fn=nn.functional.mse_loss,
+                           target=torch.randn(4, 8), device=torch.device("cpu"), selective=True, repeats=1,
+                           min_time=0.0, max_repeats=1)
+    assert [c.selective_bytes for c in costs] == [None, None, None]
+    stage = Stage(LayerChain(layers()[:1], 1), 1, 3, nn.functional.mse_loss, 1, recompute="selective")
+    stage.forward(0, torch.randn(4, 8), None, True)
+    with pytest.raises(ValueError, match=r"stage 1: recompute 'selective' keeps the outputs of matrix products.*"
+                                         r"ReLU\(inplace=True\).*use recompute 'full' or 'every:K'"):
+        stage.backward(0, (torch.ones(4, 8),), split=False)
