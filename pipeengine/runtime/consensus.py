@@ -21,7 +21,8 @@ sends the total back: one hop after the last rank is done when that is the first
 of every schedule here is position 0's), two otherwise. Gloo's all-reduce of a small vector takes rounds of
 messages after the last rank comes, each a waiting process to wake: on this 2-core machine, with the first of 4
 ranks 5 ms late, it took 3.4-5.6 ms to reach every rank, this 0.6-0.7 ms (2 ranks: 0.45-0.5 ms both). The sum is
-exact in any order (a slot holds one rank's value, or counts), so every rank gets the all-reduce's bits.
+exact in any order (a slot holds one rank's value, or counts), so every rank gets the all-reduce's bits. On NCCL,
+where a small all-reduce is one kernel, the pipeline keeps it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .device import constant
+from .device import constant, nccl
 from .faults import Watch
 from .numerics import SignalVector, StepSignals
 from .plan import Plan
@@ -62,7 +63,7 @@ class Consensus:
         self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
         # parameters -> their squared gradient norms (ZeRO-1 sums them over the replicas' shards: zero.py)
         self.squares: Callable[[Sequence[torch.Tensor | None]], torch.Tensor] = lambda ps: _squares(ps, device)
-        self._params: dict[int, tuple[list[nn.Parameter], int]] = {}   # stage -> (parameters, first slot)
+        self._params: dict[int, tuple[list[nn.Parameter], int, list[int]]] = {}   # stage -> _params_of
 
     def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None,
                 riders: torch.Tensor | None = None) -> Decision:
@@ -74,11 +75,10 @@ class Consensus:
         if stop is not None:
             vec.request_stop(stop)
         for st in stages:
-            params, first = self._params_of(st, plan)
+            params, first, skipped = self._params_of(st, plan, norm_skip)
             squares = self.squares(params)
             sums = st.step_sums()
             vec.add_stage(st.index, torch.cat([sums, squares.sum(0, keepdim=True)]))   # tied copies too
-            skipped = [i for i, p in enumerate(params) if id(p) in norm_skip]   # (a tie's copies count once)
             if skipped:
                 squares = squares.index_fill(0, constant(skipped, torch.long, self.device), 0.0)
             vec.set_grad_sq(first, squares)
@@ -100,18 +100,23 @@ class Consensus:
         summed = values[n:n + 1 + stops + self.topology.dp]
         return Decision(signals, summed[0], summed[1:1 + stops], summed[1 + stops:], ride)
 
-    def _params_of(self, stage: Stage, plan: Plan) -> tuple[list[nn.Parameter], int]:
-        """A stage's parameters in the model's order, layer by layer, and the first one's slot (numerics.py)."""
+    def _params_of(self, stage: Stage, plan: Plan, norm_skip: set[int]) -> tuple[list[nn.Parameter], int, list[int]]:
+        """A stage's parameters in the model's order, layer by layer, the first one's slot (numerics.py) and those
+        ``norm_skip`` leaves out (a tie's copies count once), worked out on the first step."""
         got = self._params.get(stage.index)
         if got is None:
-            got = self._params[stage.index] = ([p for layer in stage.module.layers for p in layer.parameters()],
-                                               plan.param_slot(plan.bounds[stage.index]))
+            params = [p for layer in stage.module.layers for p in layer.parameters()]
+            got = self._params[stage.index] = (params, plan.param_slot(plan.bounds[stage.index]),
+                                               [i for i, p in enumerate(params) if id(p) in norm_skip])
         return got
 
     def _sum_over_pipeline(self, mine: torch.Tensor) -> torch.Tensor:
         """The pipeline's sum of ``mine`` on every rank of it, through its first position ([Note: the pipeline's
         sum])."""
         what, group = "the end-of-step sum over the pipeline", self.groups.pp_group
+        if nccl(group):   # one kernel there, not the point-to-point sends this saves Gloo's rounds with
+            self.wait(dist.all_reduce(mine, group=group, async_op=True), what, self.pp_peers)
+            return mine
         if self.rank != self.root:
             total = torch.empty_like(mine)
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, self.root, group, SUM_TAG),

@@ -12,18 +12,22 @@ reads the source to keep it so.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device", "synchronize", "constant"]
+__all__ = ["default_device", "nccl", "synchronize", "constant"]
+
+
+def nccl(group: Any = None) -> bool:
+    """Whether ``group`` (default: the world) runs NCCL (alone, or among several backends as ``cpu:gloo,cuda:nccl``)."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend(group))
 
 
 def default_device() -> torch.device:
-    """cuda:<current device> when the process group runs NCCL (alone, or among several backends as
-    ``cpu:gloo,cuda:nccl``), else CPU."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+    """cuda:<current device> when the process group runs NCCL, else CPU."""
+    if nccl() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

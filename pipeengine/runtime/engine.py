@@ -64,9 +64,8 @@ class PipelineEngine:
             entry's value wins at the start.
         grad_clip: clip the global gradient norm to this value (None: only measure it).
         seed: factories build layer i under ``layer_seed(seed, i)``.
-        recompute: activation recompute per stage: "none", "selective" (each layer keeps its matrix products'
-            outputs and recomputes the rest), "full" or "every:K" (layers per region); see [Note: recompute] in
-            recompute.py.
+        recompute: activation recompute per stage: "none", "selective", "full" or "every:K" (layers per region);
+            see [Note: recompute] in recompute.py.
         precision: "fp32", "bf16" (autocast, bf16 activations between stages, fp32 parameters,
             gradients and optimizer state) or "fp16" (the same with a dynamic loss scale, CUDA only).
         wire: "tags" (Gloo default) or "strict" (NCCL's per-peer order emulated on Gloo), see wire.py.
@@ -185,7 +184,9 @@ class PipelineEngine:
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch, boundary=boundary)
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
-        self._split = self.schedule.split_backwards()   # (position, microbatch, chunk) whose B is followed by a W
+        # (position, microbatch, chunk) whose B is followed by a W (none on a stage that runs B whole: recompute.py)
+        self._split = frozenset(k for k in self.schedule.split_backwards()
+                                if k[0] == self.position and not self.stages[k[2]].selective)
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = eval_schedule.programs[self.position]
         self._ahead = {True: receives_ahead(self.program), False: receives_ahead(self.eval_program)}   # by train
@@ -193,8 +194,7 @@ class PipelineEngine:
         self._last_backward = backward[-1] if backward else -1
         # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
         self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
-                                        lambda a: a.kind is Kind.B if self.stages[a.chunk].selective   # (recompute.py)
-                                        else self.schedule.releases(self.position, a, self._split))
+                                        lambda a: self.schedule.releases(self.position, a, self._split))
                         if self.grad_sync.overlap and self.topology.dp > 1 else {})
 
     def _global(self, position: int) -> int:

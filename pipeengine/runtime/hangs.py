@@ -45,8 +45,8 @@ def dump_flight_recorder(rank: int) -> str | None:
     if not prefix or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") in ("", "0"):
         return None
     try:
-        import torch.distributed as dist
-        if "nccl" not in str(dist.get_backend()):
+        from .device import nccl
+        if not nccl():
             return None
         import torch._C._distributed_c10d as c10d
         dump = getattr(c10d, "_dump_nccl_trace")   # (private, but the flight recorder's own entry point)

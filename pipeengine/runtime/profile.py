@@ -216,29 +216,28 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
                                grad_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()
                                               if p.requires_grad), direct_w=covers(layer)))
         if selective:
-            costs[-1] = _selective(costs[-1], layer, first + i, num_layers, x, loss_fn, target, device, precision)
+            selective_timer = _LayerTimer(layer, first + i, num_layers, loss_fn, target, device, precision,
+                                          recompute="selective")
+            costs[-1] = _selective(costs[-1], selective_timer, x, (repeats, min_time, max_repeats))
         x = timer.out
     return costs
 
 
-def _selective(cost: LayerCost, layer: nn.Module, index: int, num_layers: int, x: Any,
-               loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, device: torch.device,
-               precision: str) -> LayerCost:
-    """``cost`` with what recompute "selective" keeps of the layer (counted on a warm-up run) and the seconds it adds
-    to F + the fused backward (median of 3 runs against the measured ones)."""
-    timer = _LayerTimer(layer, index, num_layers, loss_fn, target, device, precision, recompute="selective")
+def _selective(cost: LayerCost, timer: _LayerTimer, x: Any, limits: tuple[int, float, int]) -> LayerCost:
+    """``cost`` with what recompute "selective" keeps of the layer (``timer``'s, its warm-up run counted) and the
+    seconds it adds to F + the fused backward (timed as :func:`_measure` times, ``limits``: its repeats, min_time
+    and max_repeats)."""
     try:
-        timer.run(x, False, count=True)
-        runs = [timer.run(x, False) for _ in range(3)]
+        f, _, _, fused, _ = _measure(timer, x, False, *limits)
     except (RuntimeError, ValueError) as exc:   # (e.g. an output it keeps changed in place: recompute.mutated)
-        log.warning(f"partition profile: layer {index} cannot run recompute 'selective' ({str(exc).splitlines()[0]}); "
-                    f"a memory budget will not choose it there")
+        log.warning(f"partition profile: layer {timer.stage.module.first} cannot run recompute 'selective' "
+                    f"({str(exc).splitlines()[0]}); a memory budget will not choose it there")
         return cost
     finally:
-        for p in layer.parameters():
+        for p in timer.stage.params:
             p.grad = None
-    again = statistics.median(f + b for f, b, _ in runs) - (cost.f + cost.fused)
-    return replace(cost, selective_bytes=sum(timer.saved.values()), selective_s=max(0.0, again))
+    return replace(cost, selective_bytes=sum(timer.saved.values()),
+                   selective_s=max(0.0, f + fused - (cost.f + cost.fused)))
 
 
 def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any] | None,

@@ -20,22 +20,21 @@ training state.)
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["KEPT_OPS", "recompute_contexts", "selective_contexts", "mutated"]
+__all__ = ["KEPT_OPS", "Contexts", "context_fn", "mutated"]
 
 
 class _BuffersKept:
     """While a region is recomputed, its persistent buffers (BatchNorm's running statistics) change nothing:
     they are put back as they were when the recomputation began (it ran once already, in F)."""
 
-    def __init__(self, region: nn.Module) -> None:
-        buffers = {id(b) for b in region.buffers()}   # the persistent ones: state, not masks or caches
-        self.buffers = [t for t in region.state_dict(keep_vars=True).values() if id(t) in buffers]
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
         self.saved: list[torch.Tensor] = []
 
     def __enter__(self) -> None:
@@ -46,11 +45,6 @@ class _BuffersKept:
             for b, value in zip(self.buffers, self.saved):
                 b.copy_(value)
         self.saved = []
-
-
-def recompute_contexts(region: nn.Module) -> tuple[contextlib.AbstractContextManager[Any], _BuffersKept]:
-    """torch.utils.checkpoint's context_fn: nothing around the forward, the buffers kept around a recompute."""
-    return contextlib.nullcontext(), _BuffersKept(region)
 
 
 _aten = torch.ops.aten
@@ -66,24 +60,29 @@ def _keep_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPo
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _Both(contextlib.ExitStack):
-    """Two context managers as one."""
-
-    def __init__(self, *managers: contextlib.AbstractContextManager[Any]) -> None:
-        super().__init__()
-        self.managers = managers
-
-    def __enter__(self) -> _Both:
-        super().__enter__()
-        for m in self.managers:
-            self.enter_context(m)
-        return self
+@contextlib.contextmanager
+def _both(outer: contextlib.AbstractContextManager[Any],
+          inner: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
-def selective_contexts(region: nn.Module) -> tuple[contextlib.AbstractContextManager[Any], _Both]:
-    """context_fn of a "selective" region: torch's selective checkpoint keeping KEPT_OPS, and the buffers kept."""
-    forward, again = create_selective_checkpoint_contexts(_keep_products)   # type: ignore[no-untyped-call]
-    return forward, _Both(_BuffersKept(region), again)   # (the buffers saved and put back outside torch's mode)
+Contexts = Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
+
+
+def context_fn(region: nn.Module, selective: bool) -> Contexts:
+    """torch.utils.checkpoint's ``context_fn`` for ``region``, worked out once (it runs per region and microbatch):
+    around the forward nothing, or torch's selective checkpoint keeping :data:`KEPT_OPS`; around a recompute the
+    region's persistent buffers kept (saved and put back outside torch's selective mode)."""
+    ids = {id(b) for b in region.buffers()}   # the persistent ones: state, not masks or caches
+    buffers = [t for t in region.state_dict(keep_vars=True).values() if id(t) in ids]
+
+    def contexts() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+        if not selective:
+            return contextlib.nullcontext(), _BuffersKept(buffers)
+        forward, again = create_selective_checkpoint_contexts(_keep_products)   # type: ignore[no-untyped-call]
+        return forward, _both(_BuffersKept(buffers), again)
+    return contexts
 
 
 def mutated(exc: RuntimeError, stage: int) -> Exception:

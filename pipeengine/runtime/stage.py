@@ -69,7 +69,7 @@ from .chain import LayerChain, LayerError
 from .direct import covers
 from .measured import segmented as segments_apart
 from .options import PRECISIONS, SELECTIVE, check_choice, parse_recompute
-from .recompute import mutated, recompute_contexts, selective_contexts
+from .recompute import Contexts, context_fn, mutated
 from .tensors import detach, device_of, floating, to_float
 
 __all__ = ["Stage", "DTYPES", "cast_cache_scope"]
@@ -126,10 +126,12 @@ class Stage:
         per = parse_recompute(recompute)
         layers = list(module.layers)
         self.regions: list[LayerChain] | None = None
+        self._contexts: list[Contexts] = []   # each region's checkpoint context_fn (recompute.py)
         self.selective = per == SELECTIVE
         if per is not None:
             size = 1 if self.selective else per or len(layers)
             self.regions = [LayerChain(layers[i:i + size], module.first + i) for i in range(0, len(layers), size)]
+            self._contexts = [context_fn(r, self.selective) for r in self.regions]
         self.saved: dict[int, list[_Saved]] = {}   # per microbatch, its parts, first layer first
         self.peak_stored = 0
         self.losses: list[torch.Tensor] = []   # each microbatch's, not yet divided (loss_terms)
@@ -166,10 +168,9 @@ class Stage:
     def _layers(self, x: Any, key: int | None, cuts: list[tuple[Tensors, Arrived, Tensors]] | None = None) -> Any:
         if self.regions is None:
             return self.module(x, key, None if cuts is None else functools.partial(self._cut, cuts))
-        contexts = selective_contexts if self.selective else recompute_contexts
-        for region in self.regions:   # the key is an argument: the recomputation reseeds as F did (rng.py)
-            x = _checkpoint(region, x, key, use_reentrant=False, preserve_rng_state=key is None,
-                            context_fn=functools.partial(contexts, region),
+        # the key is an argument: the recomputation reseeds as F did (rng.py)
+        for region, contexts in zip(self.regions, self._contexts):
+            x = _checkpoint(region, x, key, use_reentrant=False, preserve_rng_state=key is None, context_fn=contexts,
                             respect_saved_tensors_hooks=True if self.selective else None)
         return x
 
@@ -267,7 +268,6 @@ class Stage:
         pairs = [(r, g) for r, g in zip(saved.roots, root_grads) if r.requires_grad]
         roots, rgrads = tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
         anchor = (self._anchor,) if saved.hangs else ()   # autograd reaches the part's inputs through it
-        split = split and not self.selective   # torch's selective regions allow one backward: fused in B
         custom, groups, rest = self._analyse(k, roots, anchor) if split and saved.hangs and roots else ([], [], None)
         if custom:
             split = False   # a custom autograd.Function: fused in B, W does nothing ([Note: split backward])
@@ -317,8 +317,9 @@ class Stage:
         return (recipe.custom, *recipe.apply(order, params))   # (its groups carry how W runs them, direct.plan)
 
     def backward_weight(self, mb: int) -> None:
-        """Run W after a split B: accumulate the parameter gradients and free the microbatch."""
-        for saved in self.saved.pop(mb):
+        """Run W after a split B: accumulate the parameter gradients and free the microbatch (nothing is left when its
+        B ran the whole backward: recompute "selective" under a split schedule)."""
+        for saved in self.saved.pop(mb, ()):
             backward_weights(saved.groups)
             pairs = [(r, g) for r, g in zip(saved.roots, saved.grads) if r.requires_grad]
             if pairs and saved.rest:

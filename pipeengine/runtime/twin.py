@@ -125,12 +125,12 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
 
 
 def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float],
-                     split: frozenset[tuple[int, int, int]], fused: frozenset[int] = frozenset()) -> float:
+                     split: frozenset[tuple[int, int, int]]) -> float:
     """The most ``position`` holds at once of what its microbatches keep: per stage ``keep`` bytes from F until B
     (until W when split) and ``for_w`` more from a split B until its W, walked in the order its program runs them
     (at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together).
-    Nothing for a forward-only schedule. ``split``: the schedule's :meth:`~Schedule.split_backwards`; ``fused``:
-    stages that run their whole backward in B all the same (recompute "selective", recompute.py): B releases them."""
+    Nothing for a forward-only schedule. ``split``: the backwards that are split (the schedule's
+    :meth:`~Schedule.split_backwards`, less those the runtime runs whole in B)."""
     if schedule.forward_only:
         return 0.0
     live = peak = 0.0
@@ -138,11 +138,9 @@ def held_activations(schedule: Schedule, position: int, keep: dict[int, float], 
         s = schedule.stage(position, a.chunk)
         if a.kind is Kind.F:
             live += keep[s]
-        elif s in fused:
-            live -= keep[s] if a.kind is Kind.B else 0.0
         elif schedule.releases(position, a, split):   # its activations go (and with a W what it kept for W)
             live -= keep[s] + (for_w[s] if a.kind is Kind.W else 0.0)
-        else:   # a split B: the gradients W starts from stay until W
+        elif a.kind is Kind.B:   # a split B: the gradients W starts from stay until W
             live += for_w[s]
         peak = max(peak, live)
     return peak
@@ -157,9 +155,10 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
     position), ``early_receives``: the wire posts receives a comm step early (one boundary tensor more)."""
     grads = [c.trainable_bytes for c in costs]
     beyond = [float(runtime)] * schedule.pp if isinstance(runtime, (int, float)) else [float(r) for r in runtime]
-    peaks = stage_peaks(schedule) if not schedule.forward_only else {s: 0 for s in range(schedule.num_stages)}
     regions = per_stage(recompute, schedule.num_stages)
-    split = schedule.split_backwards()
+    # a "selective" stage runs its whole backward in B (recompute.py)
+    split = frozenset(k for k in schedule.split_backwards() if regions[schedule.stage(k[0], k[2])] != SELECTIVE)
+    peaks = stage_peaks(schedule, split)
     out = []
     for p in range(schedule.pp):
         stages = [schedule.stage(p, c) for c in range(schedule.chunks)]
@@ -177,8 +176,7 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
         # the optimizer's step, once the activations are gone, makes temporaries of about a layer's parameters
         transient = max(transient, *(float(c.param_bytes) for s in stages for c in costs[bounds[s]:bounds[s + 1]]))
         held = max((peaks[s] for s in stages), default=0)
-        fused = frozenset(s for s in stages if regions[s] == SELECTIVE)
-        acts = held_activations(schedule, p, keep, for_w, split, fused)
+        acts = held_activations(schedule, p, keep, for_w, split)
         wire = boundary * (2 * (held + 1) + (early_receives and schedule.pp > 1))
         out.append(MemoryParts(params, g, optimizer_states * g / max(1, shards), acts, transient + wire + beyond[p]))
     return out

@@ -70,10 +70,11 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Action, Kind, Step
+from .device import nccl
 from .faults import Watch, WaitTimeout, watch
 from .header import Table, TensorMeta, Tensors, decode_header, describe, encode_header, flatten, follow, header_length
 
-__all__ = ["P2PTimeout", "Wire", "MAX_TAG", "receives_ahead", "posts_early", "nccl"]
+__all__ = ["P2PTimeout", "Wire", "MAX_TAG", "receives_ahead", "posts_early"]
 
 MAX_TAG = 2**24
 
@@ -101,11 +102,6 @@ def receives_ahead(program: Sequence[Step]) -> list[Ahead]:
     last): what the step posts early in tags mode ([Note: receives one step early])."""
     comm = [st for st in program if not st[0].kind.is_compute]
     return [tuple((i, a) for i, a in enumerate(nxt) if a.kind in (Kind.RECV_F, Kind.RECV_B)) for nxt in comm[1:]] + [()]
-
-
-def nccl(group: Any = None) -> bool:
-    """Whether ``group`` (default: the world) runs on NCCL: the wire then coalesces each step ([Note: modes])."""
-    return dist.is_initialized() and "nccl" in str(dist.get_backend(group))
 
 
 def posts_early(mode: str, coalesce: bool) -> bool:
@@ -141,6 +137,7 @@ class Wire:
         self.device, self.global_rank, self.stage_of, self.num_stages = device, global_rank, stage_of, num_stages
         self.microbatches = microbatches
         self.mode, self.coalesce, self.group = mode, coalesce, group
+        self.early = posts_early(mode, coalesce)   # [Note: receives one step early]
         self.boundary = boundary   # fp32 tensors travel as this dtype (and come back fp32): [Note: boundary dtype]
         self.watch = watcher   # times every wait (faults.py); default: the process group's
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
@@ -158,11 +155,10 @@ class Wire:
         program's :func:`receives_ahead` (in tags mode they go one comm step early, see [Note: receives one step
         early]); ``train``: which kind of step, for [Note: the first payload with its header]."""
         self._table, self._train = table, train
-        self._ahead = ahead if posts_early(self.mode, self.coalesce) else ()
+        self._ahead = ahead if self.early else ()
         self._guessed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}   # producer stage -> the header expected
         self._missed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}    # stage -> what its receiver expected
         self._void: list[_Transfer] = []                                      # receives a miss left unused
-        self._early: set[tuple[Kind, int, int]] = set()   # receives posted with the comm step before theirs
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
         self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
@@ -233,6 +229,10 @@ class Wire:
         metas = follow(metas, self._table, first, a.microbatch)
         if a.kind is Kind.RECV_B:   # gradients of the floating-point activations this stage sent
             metas = tuple(m for m in metas if m.dtype.is_floating_point)
+        return self._buffers(metas)
+
+    def _buffers(self, metas: Sequence[TensorMeta]) -> Tensors:
+        """Empty tensors for ``metas`` as they travel (see [Note: boundary dtype])."""
         return tuple(torch.empty(m.shape, dtype=self._on_wire(m.dtype), device=self.device) for m in metas)
 
     def post(self, step: Step, after_compute: bool = True) -> None:
@@ -245,15 +245,13 @@ class Wire:
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
         self._posted += len(step)
         for a in sorted(step, key=lambda x: not x.kind.is_send):
-            if (a.kind, a.microbatch, a.chunk) in self._early:
-                self._early.remove((a.kind, a.microbatch, a.chunk))
+            if (a.kind, a.microbatch, a.chunk) in self._incoming:
                 continue   # posted with the step before ([Note: receives one step early])
             tr = self._transfer(a, seqs[a])
             transfers.append(tr)
             miss = self._missed.pop(self.stage_of(a.chunk), None) if a.kind is Kind.SEND_F else None
             if miss is not None:   # [Note: the first payload with its header]
-                void = _Transfer(a, tr.rank, tuple(torch.empty(m.shape, dtype=self._on_wire(m.dtype),
-                                                               device=self.device) for m in miss[1]), tr.seq)
+                void = _Transfer(a, tr.rank, self._buffers(miss[1]), tr.seq)
                 self._sends.append(void)
                 ops += self._ops(void)
                 tr.moved = True
@@ -265,7 +263,6 @@ class Wire:
         self._steps += 1
         for i, a in ahead:
             if self._known(a):   # with the place its own step gives it in the link's order
-                self._early.add((a.kind, a.microbatch, a.chunk))
                 ops += self._ops(self._transfer(a, self._posted + i))
         self._issue(ops)
         self._last_step = transfers if self.mode == "strict" and not self.coalesce else []

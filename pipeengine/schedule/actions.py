@@ -140,9 +140,10 @@ class Schedule:
                          for a in step if a.kind is Kind.W)
 
     def releases(self, position: int, a: Action, split: frozenset[tuple[int, int, int]]) -> bool:
-        """Whether compute action ``a`` frees its activation: its W, or its B when that backward is not split
-        (``split``: :meth:`split_backwards`)."""
-        return a.kind is Kind.W or (a.kind is Kind.B and (position, a.microbatch, a.chunk) not in split)
+        """Whether compute action ``a`` ends its microbatch's backward (frees its activation, makes its gradients
+        final): its W when that backward is split, else its B (``split``: :meth:`split_backwards`, or fewer: a
+        backward the runtime runs whole in B, whose W then does nothing)."""
+        return a.kind is (Kind.W if (position, a.microbatch, a.chunk) in split else Kind.B)
 
     def stage(self, position: int, chunk: int) -> int:
         if self.placement_kind == "v" and chunk == 1:

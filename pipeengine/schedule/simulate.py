@@ -49,12 +49,13 @@ def in_flight_peaks(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def stage_peaks(schedule: Schedule) -> dict[int, int]:
+def stage_peaks(schedule: Schedule, split: frozenset[tuple[int, int, int]] | None = None) -> dict[int, int]:
     """Per stage, the peak count of microbatch activations it holds (from F until B, or W when split): what the
-    engine's stages count live (``StepResult.peak_stored``)."""
+    engine's stages count live (``StepResult.peak_stored``); ``split``: the backwards split (default: the
+    schedule's; fewer where the runtime runs a backward whole in B)."""
     if schedule.forward_only:
         return {s: 0 for s in range(schedule.num_stages)}
-    split = schedule.split_backwards()
+    split = schedule.split_backwards() if split is None else split
     peaks = {}
     for p in range(schedule.pp):
         held = [0] * schedule.chunks

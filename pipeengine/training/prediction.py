@@ -21,13 +21,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..runtime.device import synchronize
+from ..runtime.device import nccl, synchronize
 from ..runtime.engine import PipelineEngine
 from ..runtime.options import parse_recompute
 from ..runtime.tensors import flat
 from ..runtime.layers import sizing_layers
 from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
-from ..runtime.wire import nccl, posts_early
+from ..runtime.wire import posts_early
 from .checks import partition_arg
 from .report import write_json
 
@@ -129,7 +129,7 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
     runtime = {engine.topology.position_of(r): b for r, b in zip(ranks, everyone)}
     facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
-                      sum(p.numel() for p in engine.parameters), posts_early(engine.wire.mode, engine.wire.coalesce))
+                      sum(p.numel() for p in engine.parameters), engine.wire.early)
     stages = plan.recompute or [recompute] * plan.num_stages
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
                    recompute=[parse_recompute(r) for r in stages],
