@@ -20,6 +20,17 @@ reaches the outputs without crossing the input path, the first stage (its inputs
 gradient: B is empty and W is the whole backward), and recomputed stages (every separate
 backward pass recomputes a region, so one pass over the roots is cheaper than one per group).
 
+[Note: B frees what W does not read]
+The graph holds every tensor the forward saved until its last backward pass releases it. Kept for W, it
+held a microbatch's whole activations from F until W, and the gradients at the branch nodes beside them
+from B on: a split schedule held more than a fused one (GPT small: 16 MiB of activations a block, 11 of
+gradients). W of a group that runs without autograd reads only a few of those tensors (a Linear's input,
+a LayerNorm's input and statistics: 9 of the 16 MiB). So when every group of a part runs that way and no
+parameter is left for W to reach from the roots, B reads them off the nodes (:func:`direct.bind`: a
+reference to each) and releases the graph as a fused backward does: what only the input path needed
+(attention's saved tensors, an activation function's input) goes at B. A parameter given a tensor hook
+between B and W is not seen then (register it before the step).
+
 A group of one node of torch's common layers (Linear, LayerNorm, Conv) needs no autograd call in W
 at all ([Note: W without the engine] in direct.py). Otherwise W makes one autograd call per group, all
 under one ``GraphExecGroup``, so a layer that recomputes
@@ -84,6 +95,7 @@ class WeightGroup:
     nodes: list[Node]
     params: list[torch.Tensor]
     grads: dict[int, Grads] = field(default_factory=dict)   # node index -> the gradients kept in B
+    bound: direct.Bound | None = None   # what W reads, kept by a B that freed the graph (before ``direct``: the name)
     direct: direct.Plan | None = None   # how W runs it without autograd, if it can ([Note: W without the engine])
 
 
@@ -224,15 +236,22 @@ def _pin(grads: Grads, _incoming: Grads) -> Any:
     return grads
 
 
-def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: list[WeightGroup]) -> None:
+def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: list[WeightGroup],
+                     may_free: bool = False) -> bool:
     """B of a split backward: the inputs' gradients, keeping what arrives at every group's branch nodes (a node
-    pre-hook: after the tensor hooks a user put on the node's outputs, as the node itself sees it). The hooks stay
-    with the graph, which goes after W: there a node autograd runs again stores its gradient again, but W pins it
-    to the tuple B kept (bound before W's call)."""
-    for g in groups:
+    pre-hook: after the tensor hooks a user put on the node's outputs, as the node itself sees it). With
+    ``may_free`` (W needs nothing from the roots), the graph goes with B where every group binds ([Note: B frees
+    what W does not read]); returns whether it went. Else the hooks stay with the graph, which goes after W: there
+    a node autograd runs again stores its gradient again, but W pins it to the tuple B kept (bound before W's
+    call)."""
+    bound = [direct.bind(g.direct, g.nodes[0]) if g.direct is not None else None for g in groups] if may_free else []
+    free = may_free and all(b is not None for b in bound)
+    for k, g in enumerate(groups):
+        g.bound = bound[k] if free else None
         for i, n in enumerate(g.nodes):
             n.register_prehook(functools.partial(_keep, g.grads, i))
-    run_backward(roots, grads, inputs, keep_graph=True)
+    run_backward(roots, grads, inputs, keep_graph=not free)
+    return free
 
 
 def backward_weights(groups: list[WeightGroup]) -> None:
@@ -245,6 +264,9 @@ def backward_weights(groups: list[WeightGroup]) -> None:
     """
     with _exec_group(), torch.no_grad():   # (autograd's engine sets its own grad mode; direct W runs without)
         for group in groups:
+            if group.bound is not None:
+                direct.run_bound(group.bound, group.grads.get(0))
+                continue
             if group.direct is not None and direct.run(group.direct, group.nodes[0], group.grads.get(0)):
                 continue
             edges = [(GradientEdge(n, k), g) for i, n in enumerate(group.nodes)

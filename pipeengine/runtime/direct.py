@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-__all__ = ["Plan", "MODULES", "covers", "plan", "run"]
+__all__ = ["Plan", "Bound", "MODULES", "covers", "plan", "bind", "run_bound", "run"]
 
 Grads = list["torch.Tensor | None"]     # per output of a branch node: the gradient for the parameter it feeds
 
@@ -106,58 +106,95 @@ def plan(nodes: list[Node], params: list[torch.Tensor]) -> Plan | None:
     return Plan(type(nodes[0]).__name__, found)
 
 
-def _addmm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
-    """``AddmmBackward0`` (outputs: bias, input, weight.t()): see :func:`_weight`; the bias's gradient is ``grad``
-    summed to the bias's shape, as the engine's ``sum_to`` does (a bias of the gradient's own shape would get the
-    kept gradient itself: autograd decides whether that may become its .grad)."""
+@dataclass
+class Bound:
+    """One group's W read off its node: the saved tensors and arguments its kernel takes (a reference to each keeps
+    it when the graph goes; see [Note: B frees what W does not read] in backward.py)."""
+
+    plan: Plan
+    args: tuple[Any, ...]
+
+
+def _transposed(node: Any) -> bool:
+    """Whether a matmul's ``mat2`` (the transpose of its weight) is column-major: W's product is then taken as
+    ``grad.t() @ x`` (see :func:`_weight`)."""
+    sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+    return bool(strides[0] == 1 and strides[1] == sizes[0])
+
+
+def _bind_addmm(node: Any, plan: Plan) -> tuple[Any, ...] | None:
+    """``AddmmBackward0`` (outputs: bias, input, weight.t()). Not here: alpha or beta not 1, or a 2-D bias (of the
+    output's own shape its gradient would be the kept gradient itself: autograd decides whether that may become its
+    .grad)."""
     bias, weight = plan.targets[0], plan.targets[2]
-    if (node._raw_saved_mat1.unpack_hook is not None or node._saved_alpha != 1 or node._saved_beta != 1
-            or (bias is not None and bias.shape == grad.shape)):
+    if node._raw_saved_mat1.unpack_hook is not None or node._saved_alpha != 1 or node._saved_beta != 1:
         return None
+    if bias is not None and bias.dim() == 2:   # (as the output, [rows, out], or broadcast from [1, out]: rare)
+        return None
+    return (None, False) if weight is None else (node._saved_mat1, _transposed(node))
+
+
+def _addmm(grad: torch.Tensor, args: tuple[Any, ...], plan: Plan) -> Grads:
+    """The bias's gradient is ``grad`` summed to the bias's shape, as the engine's ``sum_to`` does (over the leading
+    dimension of a [rows, out] gradient: its sum over dim 0)."""
+    bias, x, transposed = plan.targets[0], *args
     bias_grad = None
-    if bias is not None:   # (sum_to over the leading dimension of a [rows, out] gradient is its sum over dim 0)
+    if bias is not None:
         bias_grad = grad.sum(0) if grad.dim() == 2 and bias.dim() == 1 else grad.sum_to_size(bias.shape)
-    return [bias_grad, None, None if weight is None else _weight(node, grad, node._saved_mat1)]
+    return [bias_grad, None, None if x is None else _weight(grad, x, transposed)]
 
 
-def _mm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
-    """``MmBackward0`` (outputs: input, weight.t()): see :func:`_weight`."""
+def _bind_mm(node: Any, plan: Plan) -> tuple[Any, ...] | None:
+    """``MmBackward0`` (outputs: input, weight.t())."""
     if node._raw_saved_self.unpack_hook is not None:
         return None
-    return [None, _weight(node, grad, node._saved_self)]
+    return (node._saved_self, _transposed(node))
 
 
-def _weight(node: Any, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _mm(grad: torch.Tensor, args: tuple[Any, ...], plan: Plan) -> Grads:
+    return [None, _weight(grad, *args)]
+
+
+def _weight(grad: torch.Tensor, x: torch.Tensor, transposed: bool) -> torch.Tensor:
     """The gradient of W in ``x @ W.t()``: autograd's ``mm_mat2_backward`` (alpha 1) transposed back by TBackward0:
     for a column-major ``mat2`` (the transpose of a contiguous W) ``grad.t() @ x`` transposed, else ``x.t() @
     grad``."""
-    sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
-    return grad.t().mm(x) if strides[0] == 1 and strides[1] == sizes[0] else x.t().mm(grad).t()
+    return grad.t().mm(x) if transposed else x.t().mm(grad).t()
 
 
-def _layer_norm(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
+def _bind_layer_norm(node: Any, plan: Plan) -> tuple[Any, ...] | None:
     """``NativeLayerNormBackward0`` (outputs: input, weight, bias)."""
     if (node._raw_saved_input.unpack_hook is not None or node._raw_saved_result1.unpack_hook is not None
             or node._raw_saved_result2.unpack_hook is not None):
         return None
-    return list(torch.ops.aten.native_layer_norm_backward(
-        grad, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
-        node._saved_weight, node._saved_bias, plan.mask))
+    return (node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+            node._saved_weight, node._saved_bias)
 
 
-def _convolution(node: Any, grad: torch.Tensor, plan: Plan) -> Grads | None:
+def _layer_norm(grad: torch.Tensor, args: tuple[Any, ...], plan: Plan) -> Grads:
+    return list(torch.ops.aten.native_layer_norm_backward(grad, *args, plan.mask))
+
+
+def _bind_convolution(node: Any, plan: Plan) -> tuple[Any, ...] | None:
     """``ConvolutionBackward0`` (outputs: input, weight, bias)."""
     if node._raw_saved_input.unpack_hook is not None:
         return None
-    return list(torch.ops.aten.convolution_backward(
-        grad, node._saved_input, node._saved_weight, node._saved_bias_sym_sizes_opt, node._saved_stride,
-        node._saved_padding, node._saved_dilation, node._saved_transposed, node._saved_output_padding,
-        node._saved_groups, plan.mask))
+    return (node._saved_input, node._saved_weight, node._saved_bias_sym_sizes_opt, node._saved_stride,
+            node._saved_padding, node._saved_dilation, node._saved_transposed, node._saved_output_padding,
+            node._saved_groups)
 
 
-_KINDS: dict[str, Callable[[Any, torch.Tensor, Plan], Grads | None]] = {
-    "AddmmBackward0": _addmm, "MmBackward0": _mm, "NativeLayerNormBackward0": _layer_norm,
-    "ConvolutionBackward0": _convolution}
+def _convolution(grad: torch.Tensor, args: tuple[Any, ...], plan: Plan) -> Grads:
+    return list(torch.ops.aten.convolution_backward(grad, *args, plan.mask))
+
+
+# per node kind: what W reads off the node (None: not this way), and its kernel on those arguments
+_Bind = Callable[[Any, Plan], "tuple[Any, ...] | None"]
+_Kernel = Callable[[torch.Tensor, tuple[Any, ...], Plan], Grads]
+_KINDS: dict[str, tuple[_Bind, _Kernel]] = {
+    "AddmmBackward0": (_bind_addmm, _addmm), "MmBackward0": (_bind_mm, _mm),
+    "NativeLayerNormBackward0": (_bind_layer_norm, _layer_norm),
+    "ConvolutionBackward0": (_bind_convolution, _convolution)}
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -175,20 +212,33 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         hook(p)
 
 
-def run(plan: Plan, node: Any, grads: tuple[torch.Tensor | None, ...] | None) -> bool:
-    """W of one group (its one branch node and the gradients kept there in B) without autograd; False where
-    autograd must run it instead. Call it with grad mode off."""
+def bind(plan: Plan, node: Any) -> Bound | None:
+    """What W of one group (its one branch node) needs, read off the node while its saved tensors are there; None
+    where autograd must run it instead (a parameter with a tensor hook, a saved tensor with hooks, the cases of the
+    kind above)."""
+    for p in plan.targets:
+        if p is not None and p._backward_hooks:
+            return None
+    args = _KINDS[plan.kind][0](node, plan)
+    return None if args is None else Bound(plan, args)
+
+
+def run_bound(bound: Bound, grads: tuple[torch.Tensor | None, ...] | None) -> None:
+    """W of one bound group from the gradients kept at its node in B, without autograd. Call it with grad mode
+    off."""
     grad = grads[0] if grads else None
     if grad is None:
-        return True   # no gradient arrived: nothing to add (as autograd with no edges)
-    targets = plan.targets
-    for p in targets:
-        if p is not None and p._backward_hooks:
-            return False
-    out = _KINDS[plan.kind](node, grad, plan)
-    if out is None:
-        return False
-    for p, g in zip(targets, out):
+        return   # no gradient arrived: nothing to add (as autograd with no edges)
+    plan = bound.plan
+    for p, g in zip(plan.targets, _KINDS[plan.kind][1](grad, bound.args, plan)):
         if p is not None and g is not None:
             _accumulate(p, g)
+
+
+def run(plan: Plan, node: Any, grads: tuple[torch.Tensor | None, ...] | None) -> bool:
+    """W of one group whose graph B kept: :func:`bind` then :func:`run_bound`; False where autograd must run it."""
+    bound = bind(plan, node)
+    if bound is None:
+        return False
+    run_bound(bound, grads)
     return True

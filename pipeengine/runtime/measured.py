@@ -36,6 +36,7 @@ class LayerCost:
     # W and the fused backward): a stage of k layers pays it once, not k times (the twin, twin.py)
     host: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     held_for_w: int = 0   # bytes a split backward's B keeps until W (gradients for the weights), when timed split
+    freed_at_b: int = 0   # bytes of what it keeps that a split B frees (W does not read them; backward.py)
     grad_bytes: int | None = None   # bytes of its trainable parameters (their gradients); None: all of them
     direct_w: bool = False   # its W needs no autograd call (direct.covers): a stage of such layers runs in one part
     # under recompute "selective" (measured when asked): bytes a microbatch keeps (its input and its matrix products'

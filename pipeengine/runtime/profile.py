@@ -48,6 +48,7 @@ class _LayerTimer:
         self.saved: dict[int, int] = {}   # storage -> bytes kept for backward by the last counted forward
         self.out: Any = None               # the output of the last forward
         self.held_for_w = 0                # bytes a split backward's B kept for W (the last split run)
+        self.read_by_w: int | None = None  # bytes of saved tensors W reads after a B that freed the graph (else None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -75,6 +76,7 @@ class _LayerTimer:
         t2 = time.perf_counter()
         if split_backward:
             self.held_for_w = _held_for_w(self.stage)
+            self.read_by_w = _read_by_w(self.stage, self.params)
             self.stage.backward_weight(0)
             synchronize(self.device)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
@@ -87,6 +89,18 @@ def _held_for_w(stage: Stage) -> int:
                 *(g for group in part.groups for grads in group.grads.values() for g in grads if g is not None),
                 *(g for g in part.grads if isinstance(g, torch.Tensor)))}
     return sum(kept.values())
+
+
+def _read_by_w(stage: Stage, params: set[int]) -> int | None:
+    """Bytes of the saved tensors W reads on microbatch 0 of ``stage`` after a B that freed its graph, parameters
+    aside; None where B kept the graph ([Note: B frees what W does not read] in backward.py)."""
+    parts = stage.saved.get(0, [])
+    if not parts or any(part.rest or any(g.bound is None for g in part.groups) for part in parts):
+        return None
+    read = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for part in parts for g in part.groups if g.bound is not None
+            for t in g.bound.args if isinstance(t, torch.Tensor)}
+    return sum(n for ptr, n in read.items() if ptr not in params)
 
 
 STABLE = 0.05   # the median is stable when the last runs move it by no more than this (relative)
@@ -212,7 +226,7 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
         costs.append(LayerCost(f, b, w, fused, activation_bytes=sum(timer.saved.values()) + out_bytes,
                                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                                noise=spread, kind=layer_kind(layer, x, timer.kind), output_bytes=out_bytes,
-                               host=host, held_for_w=timer.held_for_w,
+                               host=host, held_for_w=timer.held_for_w, freed_at_b=_freed_at_b(timer),
                                grad_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()
                                               if p.requires_grad), direct_w=covers(layer)))
         if selective:
@@ -221,6 +235,12 @@ def profile_layers(layers: Sequence[nn.Module], first: int, num_layers: int, x: 
             costs[-1] = _selective(costs[-1], selective_timer, x, (repeats, min_time, max_repeats))
         x = timer.out
     return costs
+
+
+def _freed_at_b(timer: _LayerTimer) -> int:
+    """Bytes of what the layer's forward saved that a split B frees (all but what W reads), 0 where it keeps the
+    graph."""
+    return 0 if timer.read_by_w is None else max(0, sum(timer.saved.values()) - timer.read_by_w)
 
 
 def _selective(cost: LayerCost, timer: _LayerTimer, x: Any, limits: tuple[int, float, int]) -> LayerCost:

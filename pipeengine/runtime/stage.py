@@ -277,7 +277,7 @@ class Stage:
             saved.rest = self._part_params[k]
             if rest is not None:
                 saved.groups, saved.rest = groups, tuple(rest)
-                backward_keeping(roots, rgrads, anchor, saved.groups)
+                backward_keeping(roots, rgrads, anchor, saved.groups, may_free=not saved.rest)
             if saved.rest:
                 saved.grads = root_grads
             else:

@@ -127,8 +127,9 @@ def microbatch_activations(layers: Sequence[LayerCost], recompute: int | None,
 def held_activations(schedule: Schedule, position: int, keep: dict[int, float], for_w: dict[int, float],
                      split: frozenset[tuple[int, int, int]]) -> float:
     """The most ``position`` holds at once of what its microbatches keep: per stage ``keep`` bytes from F until B
-    (until W when split) and ``for_w`` more from a split B until its W, walked in the order its program runs them
-    (at most the sum of the stages' own peaks: a V's or an interleaved position's stages need not peak together).
+    (until W when split) and ``for_w`` more (or less, where B freed more than W keeps) from a split B until its W,
+    walked in the order its program runs them (at most the sum of the stages' own peaks: a V's or an interleaved
+    position's stages need not peak together).
     Nothing for a forward-only schedule. ``split``: the backwards that are split (the schedule's
     :meth:`~Schedule.split_backwards`, less those the runtime runs whole in B)."""
     if schedule.forward_only:
@@ -169,7 +170,9 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
             layers = costs[bounds[s]:bounds[s + 1]]
             into = input_bytes if s == 0 else float(costs[bounds[s] - 1].output_bytes)
             keep[s], extra = microbatch_activations(layers, regions[s], into)
-            for_w[s] = sum(float(c.held_for_w or c.output_bytes) for c in layers)
+            # from a split B until W: the gradients W starts from, less what B freed (not under recompute)
+            for_w[s] = sum(float(c.held_for_w or c.output_bytes) - (c.freed_at_b if regions[s] is None else 0)
+                           for c in layers)
             # B's working set beside the kept activations: a gradient per saved tensor of the layer it is in
             transient = max(transient, extra + BACKWARD_SET * max(_kept(c) for c in layers))
             boundary = max(boundary, into, float(layers[-1].output_bytes))

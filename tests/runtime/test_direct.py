@@ -228,3 +228,47 @@ def test_tensor_hooks_on_a_branch_nodes_outputs_run_once_as_in_the_fused_backwar
     split = _run(layers, True, x, gy, monkeypatch)
     assert all(_bitwise(a, b) for ga, gb in zip(fused[0], split[0]) for a, b in zip(ga, gb))
     assert all(_bitwise(a, b) for a, b in zip(fused[1], split[1]))
+
+
+def _saved_after_b(hook_a_weight: bool) -> tuple[list[bool], list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """A middle stage Linear, GELU, Linear, split: per microbatch whether GELU's saved input (which only the input path
+    reads) is still there after B; the parameters' gradients after W; the same from a fused backward."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)]
+    same = [nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)]
+    for a, b in zip(same, layers):
+        a.load_state_dict(b.state_dict())
+    if hook_a_weight:
+        for m in (layers, same):
+            m[0].weight.register_hook(lambda g: g * 3)
+    nodes: list[Any] = []
+    layers[1].register_forward_hook(lambda _m, _i, out: nodes.append(out.grad_fn))
+    x, gy = torch.randn(2, 3, 4, 6), torch.randn(2, 3, 4, 6)
+    kept, grads = [], []
+    for split, chain in ((True, layers), (False, same)):
+        stage = Stage(LayerChain(chain, 1), 1, 3, None, 2, segmented=True)
+        stage.reset()
+        for mb in range(2):
+            stage.forward(mb, x[mb].clone(), None, True)
+            stage.backward(mb, (gy[mb],), split)
+            if split:
+                try:
+                    nodes[-1]._saved_self
+                    kept.append(True)
+                except RuntimeError:   # "... saved tensors after they have already been freed"
+                    kept.append(False)
+                stage.backward_weight(mb)
+        grads.append([p.grad for p in stage.module.parameters()])
+    return kept, grads[0], grads[1]
+
+
+def test_b_frees_what_w_does_not_read_and_keeps_the_graph_where_w_needs_autograd() -> None:
+    """[Note: B frees what W does not read] in backward.py: with every group run without autograd, GELU's saved input
+    goes at B; a weight with a tensor hook sends its group through autograd, which needs the graph: kept until W.
+    The gradients are the fused backward's bit for bit either way."""
+    freed, split, fused = _saved_after_b(hook_a_weight=False)
+    assert freed == [False, False]
+    assert all(_bitwise(a, b) for a, b in zip(split, fused))
+    kept, split, fused = _saved_after_b(hook_a_weight=True)
+    assert kept == [True, True]
+    assert all(_bitwise(a, b) for a, b in zip(split, fused))
