@@ -2,6 +2,7 @@
 
     python -m benchmarks.budget                    # GPT small, pp 2, --schedule auto, 20 budgets
     python -m benchmarks.budget --budgets 5 --steps 4
+    python -m benchmarks.budget --simulate         # the twin alone: the half budget at pp 2, 4 and 8
 
 Run from the repository root. First three dry runs (``--dry-run``, nothing trained): with a budget far too small
 (its one-line refusal names the least feasible budget), with none (the unconstrained plan's predicted peak)
@@ -82,12 +83,41 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def simulated_half() -> None:
+    """The twin alone (nothing runs): on 4pp alike GPT-small-like blocks (F = B = W = 1 ms; 16 MiB kept a block, 11
+    MiB of gradients B keeps for W, 7 MiB of the 16 that a split B frees), per pp and microbatches the unconstrained
+    best plan and the best at 1F1B's peak less half its activations."""
+    from pipeengine.runtime.budget import HEADROOM, fit_budget
+    from pipeengine.runtime.measured import LayerCost
+    from pipeengine.runtime.twin import Host
+
+    mib, free = 2**20, Host(per_step=0.0, per_post=0.0, post_bandwidth=float("inf"))
+    print("| pp | m | unconstrained best | 1F1B | at half 1F1B's activations | vs best |\n|---|---|---|---|---|---|")
+    for pp in (2, 4, 8):
+        costs = [LayerCost(1e-3, 1e-3, 1e-3, 2e-3, 17 * mib, 0, output_bytes=mib, held_for_w=11 * mib,
+                           freed_at_b=7 * mib, direct_w=True) for _ in range(4 * pp)]
+        for m in (2 * pp, 4 * pp):
+            best = fit_budget(costs, pp, m, 1e15, host=free)
+            one = fit_budget(costs, pp, m, 1e15, host=free, schedules=["1f1b"])
+            full = max(one.twin.memory, key=lambda part: part.total)
+            half = fit_budget(costs, pp, m, (full.total - full.activations / 2) / (1 - HEADROOM), host=free)
+            shown = ", ".join(sorted(set(half.recompute) - {"none"})) or "none"
+            print(f"| {pp} | {m} | {best.schedule.name} {1e3 * best.twin.step_s:.0f} ms | "
+                  f"{1e3 * one.twin.step_s:.0f} ms | {half.schedule.name} (recompute {shown}) "
+                  f"{1e3 * half.twin.step_s:.0f} ms | {best.twin.step_s / half.twin.step_s:.2f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", type=int, default=20)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-readme", action="store_true", help="print the table only")
+    p.add_argument("--simulate", action="store_true", help="only the twin's half-budget plans on alike blocks at pp "
+                   "2, 4 and 8 (nothing runs)")
     args = p.parse_args()
+    if args.simulate:
+        simulated_half()
+        return
     least = least_feasible()
     free = max(predicted_peak(["--schedule", "auto"])["predicted_peak_memory_mib"].values()) / 1024
     one = predicted_peak(["--schedule", "1f1b"])
