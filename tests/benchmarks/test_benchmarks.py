@@ -78,8 +78,9 @@ def test_efficiency_smoke(scripts: Any) -> None:
         assert r["ratio_ours_over_torch"] > 0 and r["ratio_ours_over_torch_training"] > 0
         assert r["torch-train_median_s"] > r["ideal_s"] * 0.95   # step() plus a training loop's epilogue
         # (the measured costs are each rank's mean action times: a few slow actions raise them above what a step
-        # with the early receives, whose hops cost next to nothing, takes; 1.052 seen once)
-        assert 0 < r["ours_efficiency_vs_measured_costs"] <= 1.1
+        # with the early receives, whose hops cost next to nothing, takes: 1.052 and 1.137 seen on a loaded machine.
+        # Not a timing target: costs fed in the wrong unit or the wrong schedule would be off by a factor of pp or m)
+        assert 0.5 < r["ours_efficiency_vs_measured_costs"] <= 1.5
     assert rows[0]["ours_peak_stored"] == {"0": 2, "1": 1}          # 1F1B: min(p - s, m)
     assert rows[0]["ideal_s"] == pytest.approx(5 * 0.006)           # (m + p - 1)(f + b + w)
     assert "| 1f1b | 2 | 4 |" in proc.stdout and "ours/torch training step |" in proc.stdout
