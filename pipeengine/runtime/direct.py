@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-__all__ = ["Plan", "Bound", "MODULES", "covers", "plan", "bind", "run_bound", "run"]
+__all__ = ["Plan", "Bound", "MODULES", "covers", "node_plan", "plan", "bind", "run_bound", "run"]
 
 Grads = list["torch.Tensor | None"]     # per output of a branch node: the gradient for the parameter it feeds
 
@@ -92,6 +92,13 @@ def _weights(node: Node) -> list[torch.Tensor | None] | None:
     if kind in ("NativeLayerNormBackward0", "ConvolutionBackward0"):   # (input, weight, bias)
         return [None, _param(edges[1], False), _param(edges[2], False)]
     return None
+
+
+def node_plan(node: Node) -> Plan | None:
+    """How W of ``node`` alone would run without autograd: its kind and the parameters it feeds; None where it is not
+    a kind W computes itself or feeds no parameter."""
+    found = _weights(node)
+    return None if found is None or all(p is None for p in found) else Plan(type(node).__name__, found)
 
 
 def plan(nodes: list[Node], params: list[torch.Tensor]) -> Plan | None:

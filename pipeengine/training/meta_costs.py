@@ -17,6 +17,11 @@ dtypes, no memory, no compute) and run forward and backward on one meta microbat
   counted apart (``cast_bytes``), not per microbatch. Attention is the fused kernel a GPU runs
   (``_scaled_dot_product_flash_attention``: it keeps q, k, v, its output and the log-sum-exp, not the score
   matrix; the meta device would otherwise take the math path).
+* **A split backward's bytes**, on a second forward without the counting hooks (which would send W through
+  autograd): where every trained parameter's gradient leaves at a node W computes itself (runtime/direct.py), the
+  bytes of the gradients arriving at those nodes (B keeps them for W) and the bytes of the saved tensors W reads;
+  the rest of what the layer keeps a split B frees (runtime/backward.py, [Note: B frees what W does not read]).
+  Elsewhere the engine's defaults: the layer's output kept for W, nothing freed.
 * **Parameters** in fp32 (the engine's bf16 mode: fp32 parameters, gradients and AdamW state).
 
 Layers of one kind are measured once: a 70B's 80 blocks cost one block's measurement.
@@ -35,6 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..runtime import direct
 from ..runtime.measured import LayerCost
 from ..runtime.tensors import flat
 
@@ -58,6 +64,8 @@ class LayerWork:
     cast_bytes: int
     kind: str = ""
     tied_bytes: int = 0        # of its parameter bytes, those that are another layer's (a tie: each keeps a copy)
+    held_for_w: int = 0        # bytes of the gradients a split B keeps for W (0: not known, its output's)
+    freed_at_b: int = 0        # of saved_bytes, those a split B frees (W does not read them)
 
     @property
     def flops(self) -> float:
@@ -114,6 +122,40 @@ def _nbytes(x: Any) -> int:
     return sum(t.numel() * t.element_size() for t in flat(x))
 
 
+def _split_bytes(layer: nn.Module, x: Any, loss: Callable[[Any], torch.Tensor] | None,
+                 dtype: torch.dtype) -> tuple[int, int | None]:
+    """(bytes of the gradients B keeps for W, bytes of the saved tensors W reads) of ``layer`` on ``x``; the second
+    None where some trained parameter's W would need autograd (see [Note: layer costs on meta])."""
+    trained = {id(p) for p in layer.parameters() if p.requires_grad}
+    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    with _Autocast(dtype):
+        out = layer(x)
+        root = loss(out) if loss is not None else out
+    roots = [t for t in flat(root) if t.requires_grad]
+    stack, seen, branch = [t.grad_fn for t in roots if t.grad_fn is not None], set(), []
+    read: dict[int, int] | None = {}
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        found = direct.node_plan(node)
+        bound = direct.bind(found, node) if found is not None else None
+        if found is not None and bound is not None and read is not None:
+            branch.append(node)
+            trained -= {id(p) for p in found.targets if p is not None}
+            read.update((t.untyped_storage()._cdata, t.untyped_storage().nbytes()) for t in bound.args
+                        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in params)
+        elif found is not None:
+            read = None
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    held = [0]
+    for node in branch:
+        node.register_prehook(lambda grads: held.__setitem__(0, held[0] + _nbytes(grads)))
+    torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
+    return held[0], None if read is None or trained else sum(read.values())
+
+
 def measure_layer(layer: nn.Module, x: Any, loss: Callable[[Any], torch.Tensor] | None = None,
                   dtype: torch.dtype = torch.bfloat16, kind: str = "") -> tuple[LayerWork, Any]:
     """``layer`` (on meta) forward and backward on meta input ``x`` (floating tensors require grad: the engine's
@@ -147,6 +189,9 @@ def measure_layer(layer: nn.Module, x: Any, loss: Callable[[Any], torch.Tensor] 
                      saved_bytes=sum(saved.values()), output_bytes=_nbytes(out) if loss is None else 0,
                      param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                      cast_bytes=sum(c.numel() * c.element_size() for c in mode.cache.values()), kind=kind)
+    held, read = _split_bytes(layer, x, loss, dtype)
+    if read is not None:
+        work = dataclasses.replace(work, held_for_w=held, freed_at_b=max(0, work.saved_bytes - read))
     nxt = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in out) if isinstance(out, tuple) else (
         out.detach().requires_grad_(out.is_floating_point()))
     return work, nxt
@@ -194,4 +239,5 @@ def layer_costs(work: Sequence[LayerWork], tflops: float, mfu: float) -> list[La
     rate = tflops * 1e12 * mfu
     return [LayerCost(w.forward / rate, w.input_grad / rate, w.weight_grad / rate,
                       (w.input_grad + w.weight_grad) / rate, activation_bytes=w.saved_bytes + w.output_bytes,
-                      param_bytes=w.param_bytes, kind=w.kind, output_bytes=w.output_bytes) for w in work]
+                      param_bytes=w.param_bytes, kind=w.kind, output_bytes=w.output_bytes, held_for_w=w.held_for_w,
+                      freed_at_b=w.freed_at_b) for w in work]

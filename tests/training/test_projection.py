@@ -62,6 +62,13 @@ def test_a_block_on_meta_costs_what_its_shapes_say() -> None:
     assert block.output_bytes == 4 * b * t * c                              # the residual stream stays fp32
     assert block.param_bytes == 4 * (12 * c * c + 13 * c)
     assert block.cast_bytes == 2 * (12 * c * c + 9 * c)                     # linear weights and biases, once a step
+    # a split backward: B keeps the gradients arriving at qkv, proj, fc and fc_proj (bf16: 6 + 2 + 8 + 2) and at the
+    # two layer norms (fp32, behind the casts: 4 + 4); W reads the layer norms' inputs and statistics (4 + 4, 16 bt)
+    # and the four products' inputs (2 + 2 + 2 + 8): the rest, q k v and fc's output, the log-sum-exp and the seed,
+    # B frees
+    assert block.held_for_w == 26 * b * t * c
+    assert block.freed_at_b == 14 * b * t * c + 4 * b * h * t + 24 == block.saved_bytes - (22 * b * t * c + 16 * b * t)
+    assert (work[0].held_for_w, work[0].freed_at_b) == (0, 0)   # an embedding's W needs autograd: the defaults
     head = work[-1]
     assert head.forward == head.input_grad == head.weight_grad == 2 * b * t * c * vocab
     assert head.tied_bytes == 4 * vocab * c and head.output_bytes == 0      # the loss is its output
