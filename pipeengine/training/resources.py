@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import default_collate
 
-__all__ = ["peak_memory", "set_baseline", "rank_memory", "memory_text", "flops_per_example", "flops_per_length",
-           "peak_tflops", "PEAK_TFLOPS", "process_age", "slow_bf16_hint"]
+__all__ = ["peak_memory", "set_baseline", "outside_peak", "rank_memory", "memory_text", "flops_per_example",
+           "flops_per_length", "peak_tflops", "PEAK_TFLOPS", "process_age", "slow_bf16_hint"]
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (name fragment, bf16/fp16 tensor cores, fp32).
 # The first fragment found in torch.cuda.get_device_name() wins, so the more specific ones come first.
@@ -24,6 +25,7 @@ PEAK_TFLOPS: tuple[tuple[str, float | None, float], ...] = (
 
 
 _BASELINE: list[float] = []   # the process's resident set (MiB) before its model was built (set_baseline)
+_BEFORE: list[float] = [0.0]   # the peak (MiB) before a probe that is not the run's own (outside_peak)
 
 
 def set_baseline(nbytes: float) -> None:
@@ -31,11 +33,38 @@ def set_baseline(nbytes: float) -> None:
     the process's resident high-water mark starts again here (``/proc/self/clear_refs``), so a process that ran
     something bigger before (a notebook, a test session) reports this run's peak, not its own past one."""
     _BASELINE[:] = [nbytes / 2**20]
+    _BEFORE[0] = 0.0
+    _reset_peak()   # (not Linux, or not allowed: the peak is the process's)
+
+
+def _reset_peak() -> bool:
+    """Start the process's resident high-water mark again (Linux); False where it cannot."""
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
-    except OSError:   # not Linux, or not allowed: the peak is the process's
-        pass
+        return True
+    except OSError:
+        return False
+
+
+def _max_rss() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+@contextlib.contextmanager
+def outside_peak(trim: Callable[[], Any]) -> Iterator[bool]:
+    """Memory used inside is not the run's (a start-up probe's): on Linux the peak so far is kept aside, and after
+    ``trim`` (giving the freed memory back) the high-water mark starts again. Yields whether it can (else the
+    caller keeps its probe small)."""
+    before = _max_rss()
+    can = sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs")
+    try:
+        yield can
+    finally:
+        if can:
+            trim()
+            if _reset_peak():
+                _BEFORE[0] = max(_BEFORE[0], before)
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
@@ -44,7 +73,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {"allocated": torch.cuda.max_memory_allocated(device) / 2**20,
                 "reserved": torch.cuda.max_memory_reserved(device) / 2**20}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    peak = max(_max_rss(), _BEFORE[0])
     return {"rss": peak, **({"above_baseline": max(0.0, peak - _BASELINE[0])} if _BASELINE else {})}
 
 

@@ -265,3 +265,26 @@ def test_the_peak_starts_again_at_the_baseline() -> None:
     set_baseline(resident_bytes(trim=True))
     after = peak_memory(torch.device("cpu"))
     assert after["rss"] < before - 300 and after["above_baseline"] < 50, (before, after)
+
+
+def test_the_optimizer_probe_is_not_the_runs_peak_and_what_came_before_it_is() -> None:
+    """[Note: the optimizer's probe] in pipeengine/training/prediction.py: the probe runs on the rank's whole size on
+    CPU, outside the run's peak; a peak the run reached before the probe still counts."""
+    import os
+
+    from pipeengine.training.prediction import optimizer_bandwidth, resident_bytes
+    from pipeengine.training.resources import peak_memory, set_baseline
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("no /proc/self/clear_refs: the probe stays small")
+    cpu = torch.device("cpu")
+    set_baseline(resident_bytes(trim=True))
+    earlier = torch.ones(40 * 2**20)   # 160 MiB, touched: the run's own, before the probe
+    del earlier
+    resident_bytes(trim=True)
+    seen = peak_memory(cpu)["above_baseline"]
+    assert seen > 150, seen
+    # 24 Mi elements: parameter, gradient and two AdamW states, 384 MiB, more than the run's peak so far
+    bandwidth = optimizer_bandwidth(lambda ps: torch.optim.AdamW(ps, lr=1e-3), cpu, 2.0, 24 * 2**20)
+    assert bandwidth > 0
+    after = peak_memory(cpu)["above_baseline"]
+    assert seen - 1 <= after < seen + 50, (seen, after)   # the earlier peak kept, the probe's 384 MiB not counted
