@@ -237,13 +237,13 @@ def _pin(grads: Grads, _incoming: Grads) -> Any:
 
 
 def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: list[WeightGroup],
-                     may_free: bool = False) -> bool:
+                     may_free: bool = False) -> None:
     """B of a split backward: the inputs' gradients, keeping what arrives at every group's branch nodes (a node
     pre-hook: after the tensor hooks a user put on the node's outputs, as the node itself sees it). With
     ``may_free`` (W needs nothing from the roots), the graph goes with B where every group binds ([Note: B frees
-    what W does not read]); returns whether it went. Else the hooks stay with the graph, which goes after W: there
-    a node autograd runs again stores its gradient again, but W pins it to the tuple B kept (bound before W's
-    call)."""
+    what W does not read]; each group's ``bound`` says so). Else the hooks stay with the graph, which goes after
+    W: there a node autograd runs again stores its gradient again, but W pins it to the tuple B kept (bound before
+    W's call)."""
     bound = [direct.bind(g.direct, g.nodes[0]) if g.direct is not None else None for g in groups] if may_free else []
     free = may_free and all(b is not None for b in bound)
     for k, g in enumerate(groups):
@@ -251,7 +251,6 @@ def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: li
         for i, n in enumerate(g.nodes):
             n.register_prehook(functools.partial(_keep, g.grads, i))
     run_backward(roots, grads, inputs, keep_graph=not free)
-    return free
 
 
 def backward_weights(groups: list[WeightGroup]) -> None:
