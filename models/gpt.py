@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -147,8 +148,14 @@ class Block(nn.Module):
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
-# the last segments tensor's plan (_row_plan): a stage's blocks all attend within the same segments
-_PLAN: list[Any] = [None, None, None]   # [segments, per_document, plan]
+# the last segments tensor's plan (_row_plan): a stage's blocks all attend within the same segments; held through
+# a weak reference, and forgotten with that tensor (its masks are not kept past the step)
+_PLAN: list[Any] = [None, None, None]   # [weakref to segments, per_document, plan]
+
+
+def _forget(ref: Any) -> None:
+    if _PLAN[0] is ref:
+        _PLAN[:] = [None, None, None]
 
 
 def _row_plan(segments: torch.Tensor, per_document: bool | None
@@ -157,7 +164,7 @@ def _row_plan(segments: torch.Tensor, per_document: bool | None
     run (else None), and the groups of rows that go through one kernel call: (rows, their index, the boolean mask,
     or None for rows of one run, through the causal kernel). Computed once per segments tensor and kept for the
     next block (the same tensor goes through every block of a stage, [Note: packed rows])."""
-    if _PLAN[0] is segments and _PLAN[1] == per_document:
+    if _PLAN[0] is not None and _PLAN[0]() is segments and _PLAN[1] == per_document:
         return _PLAN[2]  # type: ignore[no-any-return]
     b, t = segments.shape
     runs: list[list[int] | None] = [None] * b   # where a row's runs start, if it attends run by run
@@ -173,7 +180,7 @@ def _row_plan(segments: torch.Tensor, per_document: bool | None
             pick = torch.tensor(rows) if len(rows) < b else slice(None)
             mask = None if whole else (segments[pick].unsqueeze(-1) == segments[pick].unsqueeze(-2)).tril_()
             groups.append((rows, pick, mask))
-    _PLAN[:] = [segments, per_document, (runs, groups)]
+    _PLAN[:] = [weakref.ref(segments, _forget), per_document, (runs, groups)]
     return runs, groups
 
 

@@ -244,13 +244,12 @@ def backward_keeping(roots: Tensors, grads: Tensors, inputs: Tensors, groups: li
     what W does not read]; each group's ``bound`` says so). Else the hooks stay with the graph, which goes after
     W: there a node autograd runs again stores its gradient again, but W pins it to the tuple B kept (bound before
     W's call)."""
-    bound = [direct.bind(g.direct, g.nodes[0]) if g.direct is not None else None for g in groups] if may_free else []
-    free = may_free and all(b is not None for b in bound)
+    bound = direct.bind_all(groups) if may_free else None
     for k, g in enumerate(groups):
-        g.bound = bound[k] if free else None
+        g.bound = bound[k] if bound is not None else None
         for i, n in enumerate(g.nodes):
             n.register_prehook(functools.partial(_keep, g.grads, i))
-    run_backward(roots, grads, inputs, keep_graph=not free)
+    run_backward(roots, grads, inputs, keep_graph=bound is None)
 
 
 def backward_weights(groups: list[WeightGroup]) -> None:

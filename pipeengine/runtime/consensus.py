@@ -59,6 +59,7 @@ class Consensus:
         position, replica = topology.position_of(rank), topology.replica_of(rank)
         self.last_rank = topology.rank(last_position, replica)   # where the loss is computed
         self.root = topology.rank(0, replica)   # where the pipeline's sum is taken ([Note: the pipeline's sum])
+        self._pp_nccl = nccl(groups.pp_group) if topology.pp > 1 else False   # (NCCL keeps its all-reduce there)
         self.pp_peers = [topology.rank(q, replica) for q in range(topology.pp) if q != position]
         self.dp_peers = [topology.rank(position, r) for r in range(topology.dp) if r != replica]
         # parameters -> their squared gradient norms (ZeRO-1 sums them over the replicas' shards: zero.py)
@@ -114,7 +115,7 @@ class Consensus:
         """The pipeline's sum of ``mine`` on every rank of it, through its first position ([Note: the pipeline's
         sum])."""
         what, group = "the end-of-step sum over the pipeline", self.groups.pp_group
-        if nccl(group):   # one kernel there, not the point-to-point sends this saves Gloo's rounds with
+        if self._pp_nccl:   # one kernel there, not the point-to-point sends this saves Gloo's rounds with
             self.wait(dist.all_reduce(mine, group=group, async_op=True), what, self.pp_peers)
             return mine
         if self.rank != self.root:

@@ -33,13 +33,13 @@ layer at a time when W first ran without autograd; ``benchmarks/split_backward.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-__all__ = ["Plan", "Bound", "MODULES", "covers", "node_plan", "plan", "bind", "run_bound", "run"]
+__all__ = ["Plan", "Bound", "MODULES", "covers", "plan", "bind", "bind_all", "read_bytes", "run_bound", "run"]
 
 Grads = list["torch.Tensor | None"]     # per output of a branch node: the gradient for the parameter it feeds
 
@@ -92,13 +92,6 @@ def _weights(node: Node) -> list[torch.Tensor | None] | None:
     if kind in ("NativeLayerNormBackward0", "ConvolutionBackward0"):   # (input, weight, bias)
         return [None, _param(edges[1], False), _param(edges[2], False)]
     return None
-
-
-def node_plan(node: Node) -> Plan | None:
-    """How W of ``node`` alone would run without autograd: its kind and the parameters it feeds; None where it is not
-    a kind W computes itself or feeds no parameter."""
-    found = _weights(node)
-    return None if found is None or all(p is None for p in found) else Plan(type(node).__name__, found)
 
 
 def plan(nodes: list[Node], params: list[torch.Tensor]) -> Plan | None:
@@ -228,6 +221,27 @@ def bind(plan: Plan, node: Any) -> Bound | None:
             return None
     args = _KINDS[plan.kind][0](node, plan)
     return None if args is None else Bound(plan, args)
+
+
+def bind_all(groups: Sequence[Any]) -> list[Bound] | None:
+    """Each of ``groups`` (backward.WeightGroup: its ``direct`` plan and branch ``nodes``) bound, or None as soon as
+    one cannot be (W then needs the graph)."""
+    out = []
+    for g in groups:
+        bound = bind(g.direct, g.nodes[0]) if g.direct is not None else None
+        if bound is None:
+            return None
+        out.append(bound)
+    return out
+
+
+def read_bytes(bounds: Iterable[Bound], params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the saved tensors ``bounds`` read (each storage once), the parameters' aside: what a split B keeps
+    for W when it frees the graph."""
+    mine = {p.untyped_storage()._cdata for p in params}
+    read = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for b in bounds for t in b.args
+            if isinstance(t, torch.Tensor)}
+    return sum(n for key, n in read.items() if key not in mine)
 
 
 def run_bound(bound: Bound, grads: tuple[torch.Tensor | None, ...] | None) -> None:

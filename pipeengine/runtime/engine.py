@@ -185,8 +185,7 @@ class PipelineEngine:
                          self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch, boundary=boundary)
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
         # (position, microbatch, chunk) whose B is followed by a W (none on a stage that runs B whole: recompute.py)
-        self._split = frozenset(k for k in self.schedule.split_backwards()
-                                if k[0] == self.position and not self.stages[k[2]].selective)
+        self._split = self.schedule.split_backwards(whole={st.index for st in self.stages if st.selective})
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = eval_schedule.programs[self.position]
         self._ahead = {True: receives_ahead(self.program), False: receives_ahead(self.eval_program)}   # by train

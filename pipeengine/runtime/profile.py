@@ -22,7 +22,7 @@ from torch import nn
 
 from .agree import gathered
 from .device import synchronize
-from .direct import covers
+from .direct import covers, read_bytes
 from .hangs import ranks_text
 from .layers import LayerSpec, build_layer
 from .logs import log
@@ -76,7 +76,7 @@ class _LayerTimer:
         t2 = time.perf_counter()
         if split_backward:
             self.held_for_w = _held_for_w(self.stage)
-            self.read_by_w = _read_by_w(self.stage, self.params)
+            self.read_by_w = _read_by_w(self.stage)
             self.stage.backward_weight(0)
             synchronize(self.device)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
@@ -91,16 +91,14 @@ def _held_for_w(stage: Stage) -> int:
     return sum(kept.values())
 
 
-def _read_by_w(stage: Stage, params: set[int]) -> int | None:
+def _read_by_w(stage: Stage) -> int | None:
     """Bytes of the saved tensors W reads on microbatch 0 of ``stage`` after a B that freed its graph, parameters
     aside; None where B kept the graph ([Note: B frees what W does not read] in backward.py)."""
     parts = stage.saved.get(0, [])
     if not parts or any(part.rest or any(g.bound is None for g in part.groups) for part in parts):
         return None
-    read = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for part in parts for g in part.groups if g.bound is not None
-            for t in g.bound.args if isinstance(t, torch.Tensor)}
-    return sum(n for ptr, n in read.items() if ptr not in params)
+    return read_bytes((g.bound for part in parts for g in part.groups if g.bound is not None),
+                      stage.module.parameters())
 
 
 STABLE = 0.05   # the median is stable when the last runs move it by no more than this (relative)

@@ -161,7 +161,7 @@ def stage_memory(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sc
     beyond = [float(runtime)] * schedule.pp if isinstance(runtime, (int, float)) else [float(r) for r in runtime]
     regions = per_stage(recompute, schedule.num_stages)
     # a "selective" stage runs its whole backward in B (recompute.py)
-    split = frozenset(k for k in schedule.split_backwards() if regions[schedule.stage(k[0], k[2])] != SELECTIVE)
+    split = schedule.split_backwards(whole={s for s, r in enumerate(regions) if r == SELECTIVE})
     peaks = stage_peaks(schedule, split)
     out = []
     for p in range(schedule.pp):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Container, NamedTuple, Sequence
 
 __all__ = [
     "Kind", "Action", "Step", "Schedule", "ScheduleError", "PLACEMENTS",
@@ -133,11 +133,13 @@ class Schedule:
         """True when some backward is split into B (input grad) and W (weight grad)."""
         return any(a.kind is Kind.W for prog in self.programs for step in prog for a in step)
 
-    def split_backwards(self) -> frozenset[tuple[int, int, int]]:
+    def split_backwards(self, whole: Container[int] = ()) -> frozenset[tuple[int, int, int]]:
         """(position, microbatch, chunk) of every backward split into B and W: those whose W is in the schedule.
-        Any other B is a full backward (input and weight gradients at once); a schedule may mix both (DualPipeV)."""
+        Any other B is a full backward (input and weight gradients at once); a schedule may mix both (DualPipeV).
+        ``whole``: stages whose backward the runtime runs whole in B all the same, their W doing nothing (recompute
+        "selective", runtime/recompute.py)."""
         return frozenset((p, a.microbatch, a.chunk) for p, prog in enumerate(self.programs) for step in prog
-                         for a in step if a.kind is Kind.W)
+                         for a in step if a.kind is Kind.W and self.stage(p, a.chunk) not in whole)
 
     def releases(self, position: int, a: Action, split: frozenset[tuple[int, int, int]]) -> bool:
         """Whether compute action ``a`` ends its microbatch's backward (frees its activation, makes its gradients

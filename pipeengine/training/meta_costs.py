@@ -41,6 +41,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..runtime import direct
+from ..runtime.backward import accumulators, walk, weight_groups
 from ..runtime.measured import LayerCost
 from ..runtime.tensors import flat
 
@@ -124,36 +125,24 @@ def _nbytes(x: Any) -> int:
 
 def _split_bytes(layer: nn.Module, x: Any, loss: Callable[[Any], torch.Tensor] | None,
                  dtype: torch.dtype) -> tuple[int, int | None]:
-    """(bytes of the gradients B keeps for W, bytes of the saved tensors W reads) of ``layer`` on ``x``; the second
-    None where some trained parameter's W would need autograd (see [Note: layer costs on meta])."""
-    trained = {id(p) for p in layer.parameters() if p.requires_grad}
-    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    """(bytes of the gradients B keeps for W, bytes of the saved tensors W reads) of ``layer`` on ``x``, its weight
+    groups found and bound as the engine's B finds and binds them (backward.weight_groups, direct.bind_all); the
+    second None where B would keep the graph (see [Note: layer costs on meta])."""
+    params = tuple(p for p in layer.parameters() if p.requires_grad)
     with _Autocast(dtype):
         out = layer(x)
         root = loss(out) if loss is not None else out
-    roots = [t for t in flat(root) if t.requires_grad]
-    stack, seen, branch = [t.grad_fn for t in roots if t.grad_fn is not None], set(), []
-    read: dict[int, int] | None = {}
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        found = direct.node_plan(node)
-        bound = direct.bind(found, node) if found is not None else None
-        if found is not None and bound is not None and read is not None:
-            branch.append(node)
-            trained -= {id(p) for p in found.targets if p is not None}
-            read.update((t.untyped_storage()._cdata, t.untyped_storage().nbytes()) for t in bound.args
-                        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in params)
-        elif found is not None:
-            read = None
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+    roots = tuple(t for t in flat(root) if t.requires_grad)
+    inputs = tuple(t for t in flat(x) if t.requires_grad)
+    groups, rest = weight_groups(walk(roots), inputs, params, accumulators(params))
+    for g in groups:
+        g.direct = direct.plan(g.nodes, g.params)
+    bound = direct.bind_all(groups) if not rest else None
     held = [0]
-    for node in branch:
+    for node in (n for g in groups for n in g.nodes):
         node.register_prehook(lambda grads: held.__setitem__(0, held[0] + _nbytes(grads)))
     torch.autograd.backward(roots, [torch.empty_like(t) for t in roots])
-    return held[0], None if read is None or trained else sum(read.values())
+    return held[0], None if bound is None else direct.read_bytes(bound, layer.parameters())
 
 
 def measure_layer(layer: nn.Module, x: Any, loss: Callable[[Any], torch.Tensor] | None = None,
