@@ -86,25 +86,48 @@ def table(rows: list[dict[str, Any]]) -> str:
 def simulated_half() -> None:
     """The twin alone (nothing runs): on 4pp alike GPT-small-like blocks (F = B = W = 1 ms; 16 MiB kept a block, 11
     MiB of gradients B keeps for W, 7 MiB of the 16 that a split B frees), per pp and microbatches the unconstrained
-    best plan and the best at 1F1B's peak less half its activations."""
+    best plan and the best at 1F1B's peak less half its activations: with whole microbatches, and with each run as
+    2 or 4 pieces of a k-th the cost and bytes (linear: on this CPU a piece of GPT small costs about that; a GPU
+    computes small pieces less efficiently, which the trainer's budget measures by profiling a piece)."""
+    import dataclasses
+
     from pipeengine.runtime.budget import HEADROOM, fit_budget
     from pipeengine.runtime.measured import LayerCost
+    from pipeengine.runtime.planner import PartitionError
     from pipeengine.runtime.twin import Host
 
     mib, free = 2**20, Host(per_step=0.0, per_post=0.0, post_bandwidth=float("inf"))
-    print("| pp | m | unconstrained best | 1F1B | at half 1F1B's activations | vs best |\n|---|---|---|---|---|---|")
+    print("| pp | m | unconstrained best | 1F1B | at half 1F1B's activations | vs best | with pieces | vs best |\n"
+          "|---|---|---|---|---|---|---|---|")
     for pp in (2, 4, 8):
-        costs = [LayerCost(1e-3, 1e-3, 1e-3, 2e-3, 17 * mib, 0, output_bytes=mib, held_for_w=11 * mib,
-                           freed_at_b=7 * mib, direct_w=True) for _ in range(4 * pp)]
+        block = LayerCost(1e-3, 1e-3, 1e-3, 2e-3, 17 * mib, 0, output_bytes=mib, held_for_w=11 * mib,
+                          freed_at_b=7 * mib, direct_w=True)
         for m in (2 * pp, 4 * pp):
+            costs = [block] * (4 * pp)
             best = fit_budget(costs, pp, m, 1e15, host=free)
             one = fit_budget(costs, pp, m, 1e15, host=free, schedules=["1f1b"])
             full = max(one.twin.memory, key=lambda part: part.total)
-            half = fit_budget(costs, pp, m, (full.total - full.activations / 2) / (1 - HEADROOM), host=free)
-            shown = ", ".join(sorted(set(half.recompute) - {"none"})) or "none"
+            budget = (full.total - full.activations / 2) / (1 - HEADROOM)
+            half = fit_budget(costs, pp, m, budget, host=free)
+            cut = []
+            for k in (2, 4):
+                piece = dataclasses.replace(block, **{f: getattr(block, f) / k for f in ("f", "b", "w", "fused")},
+                                            **{f: getattr(block, f) // k for f in (
+                                                "activation_bytes", "output_bytes", "held_for_w", "freed_at_b")})
+                try:
+                    cut.append(fit_budget([piece] * (4 * pp), pp, m * k, budget, host=free, pieces=k))
+                except PartitionError:
+                    pass
+            pieces = min([half, *cut], key=lambda c: c.twin.step_s)
             print(f"| {pp} | {m} | {best.schedule.name} {1e3 * best.twin.step_s:.0f} ms | "
-                  f"{1e3 * one.twin.step_s:.0f} ms | {half.schedule.name} (recompute {shown}) "
-                  f"{1e3 * half.twin.step_s:.0f} ms | {best.twin.step_s / half.twin.step_s:.2f}x |")
+                  f"{1e3 * one.twin.step_s:.0f} ms | {_plan_text(half)} | {best.twin.step_s / half.twin.step_s:.2f}x | "
+                  f"{_plan_text(pieces)} | {best.twin.step_s / pieces.twin.step_s:.2f}x |")
+
+
+def _plan_text(c: Any) -> str:
+    shown = ", ".join(sorted(set(c.recompute) - {"none"})) or "none"
+    cut = f", {c.pieces} pieces" if c.pieces > 1 else ""
+    return f"{c.schedule.name}{cut} (recompute {shown}) {1e3 * c.twin.step_s:.0f} ms"
 
 
 def main() -> None:

@@ -7,7 +7,10 @@ whose every position's predicted peak fits. Candidates: each schedule of :data:`
 pp and m (or only the one named), each on the split whose simulated step is shortest and on the split that
 balances parameters; on each, every stage takes the least recompute that lets its position fit (none, then
 selective where the profile measured it, then every K layers for K from the stage's length down to 1, then the
-whole stage), the positions one by one.
+whole stage), the positions one by one. Where the best plan needs recompute, or none fits, the same again with
+each microbatch run as 2, then 4 equal pieces, on the layers' costs measured on a piece (plan.py, [Note:
+microbatch pieces] in microbatches.py): a k-th of the activations held per microbatch in flight, no arithmetic
+added, the bubble smaller; the fastest of all is kept.
 A budget below the least any candidate needs is refused with one line naming that least.
 """
 
@@ -44,13 +47,16 @@ class BudgetChoice:
     twin: Twin
     budget: float
     tried: list[tuple[str, float | None, float]] = field(default_factory=list)   # (label, step or None, least bytes)
+    pieces: int = 1   # each microbatch run as this many ([Note: microbatch pieces], microbatches.py)
+    costs: Sequence[LayerCost] = ()   # the layers' costs it was planned with (on a piece of the microbatch)
 
     def describe(self) -> str:
         peak = max(m.total for m in self.twin.memory)
         shown = ", ".join(f"stage {s}: {r}" for s, r in enumerate(self.recompute) if r != "none") or "none"
+        cut = f", each microbatch run as {self.pieces} pieces" if self.pieces > 1 else ""
         lines = [f"memory budget {self.budget / 2**30:.2f} GiB per rank ({100 * (1 - HEADROOM):.0f}% planned): "
                  f"{self.schedule.name} on bounds "
-                 f"{self.bounds}, recompute {shown}; predicted step {1e3 * self.twin.step_s:.1f} ms, peak "
+                 f"{self.bounds}{cut}, recompute {shown}; predicted step {1e3 * self.twin.step_s:.1f} ms, peak "
                  f"{peak / 2**30:.2f} GiB"]
         for label, step, least in sorted(self.tried, key=lambda t: (t[1] is None, t[1] or 0.0)):
             fits = f"{1e3 * step:.1f} ms" if step is not None else f"does not fit (needs {least / 2**30:.2f} GiB)"
@@ -83,9 +89,11 @@ def _fit(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, 
 
 
 def fit_budget(costs: Sequence[LayerCost], pp: int, microbatches: int, budget: float, *,
-               schedules: Sequence[str] = SHAPES, links: Links | None = None, **facts: Any) -> BudgetChoice:
+               schedules: Sequence[str] = SHAPES, links: Links | None = None, pieces: int = 1,
+               **facts: Any) -> BudgetChoice:
     """The fastest predicted plan whose every position fits ``budget`` bytes (see [Note: memory budget]); ``facts``:
-    what :func:`twin.predict` takes of the run (dp, optimizer_states, zero, input_bytes, host...)."""
+    what :func:`twin.predict` takes of the run (dp, optimizer_states, zero, input_bytes, host...); ``pieces``: each
+    of the user's microbatches runs as that many of the ``microbatches`` (``costs`` are a piece's), for the text."""
     facts = {**facts, "links": links}
     budget, asked = budget * (1 - HEADROOM), budget
     best: BudgetChoice | None = None
@@ -100,13 +108,14 @@ def fit_budget(costs: Sequence[LayerCost], pp: int, microbatches: int, budget: f
         balanced = balance_min_max([max(1.0, float(c.param_bytes)) for c in costs], sched.num_stages)
         for bounds in ([fastest] if balanced == fastest else [fastest, balanced]):
             chosen, twin, peak = _fit(costs, bounds, sched, budget, facts)
-            label = f"{name} on {bounds}"
+            label = f"{name} on {bounds}" + (f", microbatches in {pieces} pieces" if pieces > 1 else "")
             fits = peak <= budget
             tried.append((label, twin.step_s if fits else None, peak))
             if least is None or peak < least[0]:
                 least = (peak, f"{label} with recompute full where it helps")
             if fits and (best is None or twin.step_s < best.twin.step_s):
-                best = BudgetChoice(sched, list(bounds), [recompute_text(k) for k in chosen], twin, asked)
+                best = BudgetChoice(sched, list(bounds), [recompute_text(k) for k in chosen], twin, asked,
+                                    pieces=pieces, costs=costs)
     if best is None:
         need = (f"{least[0] / (1 - HEADROOM) / 2**30:.3g} GiB ({least[1]}, {100 * HEADROOM:.0f}% kept free)" if least
                 else "more than any schedule compiles for")

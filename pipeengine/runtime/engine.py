@@ -25,7 +25,7 @@ from .header import shape_table
 from .layers import LayerSpec
 from .links import links_for
 from .local import LocalModel
-from .microbatches import read_microbatches
+from .microbatches import merged, read_microbatches
 from .numerics import NonFiniteError
 from .options import STARTUP_TIMEOUT, check_engine_arguments, checked_optimizer
 from .plan import Plan, make_plan, replica_counts
@@ -50,31 +50,28 @@ class PipelineEngine:
             argument per layer; a tuple stays a tuple). Either built modules (every rank builds the
             same list; each keeps only its stages) or zero-argument factories, of which each rank
             calls only its own stages' (see layers.py: a model too big for one device).
-        loss_fn: ``loss_fn(output, target) -> scalar`` with mean reduction over the microbatch.
+        loss_fn: ``loss_fn(output, target) -> scalar``: the microbatch's mean loss (the step's is their mean).
         optimizer: ``optimizer(params) -> torch.optim.Optimizer`` for this rank's parameters.
         topology: the PP x DP grid (default: all ranks in one pipeline).
         plan: a :class:`Plan` made with :func:`make_plan`; without one, the engine makes it from the
             planning arguments ``schedule`` (a name from ``SCHEDULES``, "auto", or a compiled
             :class:`Schedule`), ``microbatches`` (per step and replica, or one count per replica: see
-            [Note: uneven replicas] in update.py), ``chunks`` (stages per position;
-            None: the schedule's own),
-            ``partition`` ("profile", "parameters", "uniform" or explicit bounds), ``sample``,
-            ``memory_cap`` and ``costs``: plan.py's :func:`make_plan` documents each.
-        tied: groups of ``(layer index, parameter name)`` that are one logical parameter; the first
-            entry's value wins at the start.
+            [Note: uneven replicas] in update.py), ``chunks`` (stages per position; None: the schedule's own),
+            ``partition`` ("profile", "parameters", "uniform" or explicit bounds), ``sample``, ``memory_cap``
+            and ``costs``: plan.py's :func:`make_plan` documents each.
+        tied: groups of ``(layer index, parameter name)`` that are one parameter; the first one's value wins at start.
         grad_clip: clip the global gradient norm to this value (None: only measure it).
         seed: factories build layer i under ``layer_seed(seed, i)``.
-        recompute: activation recompute per stage: "none", "selective", "full" or "every:K" (layers per region);
-            see [Note: recompute] in recompute.py.
+        recompute: per stage "none", "selective", "full" or "every:K" (layers per region): [Note: recompute].
         precision: "fp32", "bf16" (autocast, bf16 activations between stages, fp32 parameters,
             gradients and optimizer state) or "fp16" (the same with a dynamic loss scale, CUDA only).
         wire: "tags" (Gloo default) or "strict" (NCCL's per-peer order emulated on Gloo), see wire.py.
         boundary_dtype: "fp32" or "bf16": fp32 activations and gradients cross between stages as bf16 (half the
             traffic; results then depend on the split), see [Note: boundary dtype] in wire.py.
-        timeout: seconds any wait may take (default None: 600 s until the first step was timed,
-            then max(60 s, 20 x the median step)); see faults.py for what happens then.
-        on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or
-            "skip" (no update for that step; counted in ``skipped_steps``).
+        timeout: seconds any wait may take (None: 600 s until a step was timed, then max(60 s, 20 x the median
+            step)); see faults.py for what happens then.
+        on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or "skip" (no
+            update for that step; counted in ``skipped_steps``).
         bucket_mb: MiB of gradients per data-parallel all-reduce bucket.
         overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its
             gradients (grad_sync.py); False posts them all after the rank's last backward. Default
@@ -84,8 +81,9 @@ class PipelineEngine:
         link_gbps: with ``partition="profile"``, every pipeline link's bandwidth in Gbit/s instead of measuring
             each neighbour link at start ([Note: links in the plan] in links.py); ``microbatch_sizes``: each
             microbatch's size relative to ``sample`` (shapes of their own), for the split, auto and the predicted step.
-        memory_budget: bytes per rank (twin.py's parts): schedule shape, recompute per stage and split
-            chosen to fit it ([Note: memory budget], budget.py); ``facts``: the twin's facts of the run (plan.py).
+        memory_budget: bytes per rank (twin.py's parts): schedule shape, recompute per stage, split and pieces
+            per microbatch chosen to fit it ([Note: memory budget], budget.py; [Note: microbatch pieces],
+            microbatches.py; ``cut_microbatches=False``: never as pieces); ``facts``: the run's facts (plan.py).
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -100,15 +98,15 @@ class PipelineEngine:
                  wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
                  shard_optimizer: bool = False, boundary_dtype: str = "fp32", link_gbps: float | None = None,
                  microbatch_sizes: Sequence[float] | None = None, memory_budget: float | None = None,
-                 facts: Mapping[str, Any] | None = None) -> None:
+                 facts: Mapping[str, Any] | None = None, cut_microbatches: bool = True) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
         check_engine_arguments(layers, loss_fn, optimizer, precision, recompute, wire, on_nonfinite, timeout,
                                grad_clip, seed, boundary_dtype)
         self._place(topology, device, plan, len(layers), precision)
-        self.precision, self.on_nonfinite, self.grad_clip = precision, on_nonfinite, grad_clip
-        self.watch, self._fixed_timeout = watch(), timeout
+        self.precision, self.on_nonfinite, self.grad_clip, self.loss_fn = precision, on_nonfinite, grad_clip, loss_fn
+        self.watch, self._fixed_timeout, self.seed = watch(), timeout, seed
         self.watch.timeout = timeout or STARTUP_TIMEOUT
         given = isinstance(schedule, Schedule) and isinstance(microbatches, int)   # a compiled schedule says its own
         counts = replica_counts(schedule.microbatches if given else microbatches, self.topology.dp)   # type: ignore
@@ -121,15 +119,15 @@ class PipelineEngine:
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
                    "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps,
-                   "memory_budget": memory_budget},
+                   "memory_budget": memory_budget, "cut_microbatches": cut_microbatches},
             links=links_for(self.topology, self.device, link_gbps), sizes=microbatch_sizes,
-            memory_budget=memory_budget, facts=facts, selective=recompute == "selective")
+            memory_budget=memory_budget, facts=facts, selective=recompute == "selective", cut=cut_microbatches)
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
-        self.microbatches = self.schedule.microbatches   # this replica's
-        counts = list(self.plan.counts or [self.microbatches] * self.topology.dp)
-        self.total_microbatches = sum(counts)            # over every replica: the loss divides by it
+        self.pieces = self.plan.pieces   # each microbatch the data gives runs as pieces ([Note: microbatch pieces])
+        self.microbatches = self.schedule.microbatches // self.pieces   # this replica's, as its data gives them
+        counts = list(self.plan.counts or [self.schedule.microbatches] * self.topology.dp)
+        self.total_microbatches = sum(counts)            # (pieces) over every replica: a mean loss divides by it
         self.first_microbatch = sum(counts[:self.replica])   # this replica's first, counted over the step
-        self.loss_fn, self.seed = loss_fn, seed
         self._build(layers, tied, seed, recompute)
         # a rank whose stages hold no parameters (ReLU, pooling) still has an optimizer for set_lr, schedulers and
         # checkpoints: torch refuses an empty list, so the factory gets one zero-element placeholder, never stepped
@@ -172,7 +170,8 @@ class PipelineEngine:
     def _build(self, specs: Sequence[LayerSpec], tied: Sequence[Sequence[tuple[int, str]]], seed: int,
                recompute: str) -> None:
         def make_stage(module: LayerChain, index: int) -> Stage:
-            return Stage(module, index, self.plan.num_stages, self.loss_fn, self.total_microbatches,
+            divisor = self.total_microbatches // (self.pieces if self.plan.piece_losses == "sum" else 1)
+            return Stage(module, index, self.plan.num_stages, self.loss_fn, divisor,
                          self.plan.recompute[index] if self.plan.recompute else recompute,
                          self.precision, segmented=self.plan.schedule.split_backward)
         self.local = LocalModel(self.plan, specs, self.topology, self.rank, tied, seed, self.device, make_stage)
@@ -182,7 +181,8 @@ class PipelineEngine:
     def _take_program(self, wire: str, eval_schedule: Schedule, boundary: torch.dtype | None) -> None:
         """This position's programs and what interpreting them needs: the wire, where the gradients become final."""
         self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
-                         self.plan.num_stages, self.microbatches, mode=wire, watcher=self.watch, boundary=boundary)
+                         self.plan.num_stages, self.schedule.microbatches, mode=wire, watcher=self.watch,
+                         boundary=boundary)
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
         # (position, microbatch, chunk) whose B is followed by a W (none on a stage that runs B whole: recompute.py)
         self._split = self.schedule.split_backwards(whole={st.index for st in self.stages if st.selective})
@@ -297,7 +297,7 @@ class PipelineEngine:
             self.watch.report(exc)
             raise
         if return_outputs and self.stages[-1].is_last:
-            result.outputs = [self.stages[-1].outputs[k] for k in sorted(self.stages[-1].outputs)]
+            result.outputs = merged([self.stages[-1].outputs[k] for k in sorted(self.stages[-1].outputs)], self.pieces)
         result.records = self.clock.records()
         result.step_time = self.clock.elapsed(self.clock.mark())
         return result
@@ -323,7 +323,7 @@ class PipelineEngine:
         self.clock.start()
         for st in self.stages:
             st.reset()
-        data = (read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank)
+        data = (read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank, self.pieces)
                 if self.needs_data else ([], []))
         state = StepState(train, keep_outputs, *data)
         state.key = step_key(self.seed, self.step_count, train)

@@ -43,6 +43,9 @@ class LayerCost:
     # outputs; None: not measured) and the seconds the recompute adds to its backward
     selective_bytes: int | None = None
     selective_s: float = 0.0
+    # on the last layer, when asked (a memory budget): how the loss adds up over k equal pieces of a microbatch,
+    # (k, "mean" or "sum") for each k it is one of (microbatches.loss_pieces)
+    loss_pieces: tuple[tuple[int, str], ...] = ()
 
     @property
     def trainable_bytes(self) -> int:

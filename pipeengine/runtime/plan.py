@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..schedule import Costs, Schedule, compile_schedule, simulate, validate
 from .agree import decided_by_rank0, gathered, settings_mismatch
@@ -23,6 +24,7 @@ from .auto import AutoChoice, auto_schedule
 from .budget import SHAPES, BudgetChoice, fit_budget
 from .links import Links
 from .measured import Choice, LayerCost, sized
+from .microbatches import pieces_of, rows
 from .profile import profile_shares
 
 __all__ = ["Plan", "make_plan", "replica_counts"]
@@ -54,6 +56,8 @@ class Plan:
     measured: tuple[LayerCost, ...] = field(default=(), compare=False)   # each layer's profile (partition "profile")
     recompute: tuple[str, ...] = ()   # per stage, when a memory budget chose it (() : the engine's one for all)
     budget: BudgetChoice | None = field(default=None, compare=False)   # what the memory budget chose, and why
+    pieces: int = 1   # each microbatch the user gives runs as this many ([Note: microbatch pieces], microbatches.py)
+    piece_losses: str = "mean"   # how the loss adds up over the pieces: "mean" or "sum"
 
     @property
     def num_stages(self) -> int:
@@ -91,31 +95,28 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
               device: torch.device | None = None, validate_schedule: bool = True,
               agree: Mapping[str, Any] | None = None, links: Links | Callable[[], Links] | None = None,
               sizes: Sequence[float] | None = None, memory_budget: float | None = None,
-              facts: Mapping[str, Any] | None = None, selective: bool = False) -> Plan:
+              facts: Mapping[str, Any] | None = None, selective: bool = False, cut: bool = True) -> Plan:
     """The plan every rank uses (collective; see the module docstring).
 
     Args:
         layers: the model's layer list (modules or factories, see layers.py); ``pp``: positions.
-        schedule: a name (see ``SCHEDULES``), "auto" (the schedule and the split chosen together from the
-            measured costs, auto.py; needs ``partition="profile"``), or a compiled :class:`Schedule`
-            (proven first unless ``validate_schedule`` is False: only to test faults).
-        microbatches: per step and replica, or a count per replica (see [Note: uneven replicas]: the plan is
-            made for the largest, the other counts get the same kind of schedule on the same split);
-            ``chunks``: stages per position (None: the schedule's own, 2 for the interleaved and V ones).
-        partition: "profile" (measure every layer's F, B and W on ``sample``, in parallel over the
-            ranks, and take the bounds whose simulated step with this schedule is shortest),
-            "parameters", "uniform", or explicit bounds ``[0, b1, ..., len(layers)]``.
-        costs: per-stage costs to lower the schedule with (default: unit costs, or the measured ones).
-        sample: one microbatch ``(inputs, target)`` for ``partition="profile"`` (every rank passes it).
-        memory_cap: bytes per position the profile partition may plan for (None: no limit).
-        seed, precision, loss_fn, device: as the engine builds and runs the layers (for profiling).
+        schedule: a name (see ``SCHEDULES``), "auto" (the schedule and the split chosen together from the measured
+            costs, auto.py; needs ``partition="profile"``), or a compiled :class:`Schedule` (proven first unless
+            ``validate_schedule`` is False: only to test faults).
+        microbatches: per step and replica, or one per replica ([Note: uneven replicas]: planned for the largest, the
+            others get the same kind of schedule and split); ``chunks``: stages per position (None: the schedule's).
+        partition: "profile" (measure every layer's F, B and W on ``sample``, in parallel over the ranks, and take
+            the bounds whose simulated step is shortest), "parameters", "uniform", or bounds ``[0, ..., len(layers)]``.
+        costs: per-stage costs to lower the schedule with (default: unit costs, or the measured ones); ``sample``:
+            one microbatch ``(inputs, target)`` for ``partition="profile"`` (every rank passes it).
+        memory_cap: bytes per position the profile partition may plan for (None: no limit); ``seed, precision,
+            loss_fn, device``: as the engine builds and runs the layers (for profiling).
         agree: more settings that must be equal on every rank (compared with the model, in one collective).
-        links: with ``partition="profile"``, what a transfer between neighbours costs (links.py: stated, or a
-            collective that measures them, called on every rank once they agree on the settings); the split,
-            auto's choice and the predicted step count the transfers. None: free.
+        links: with ``partition="profile"``, what a neighbour transfer costs (links.py: stated, or a collective that
+            measures them, called once the ranks agree); the split, auto and the predicted step count it. None: free.
         sizes: each microbatch's size relative to ``sample`` (their own lengths), for the split, auto, the step.
-        memory_budget, facts: bytes per rank, and what the twin takes of the run beyond the plan (:func:`_budget_plan`);
-            ``selective``: the profile also measures recompute "selective" (so does a budget)."""
+        memory_budget, facts: bytes per rank, and what the twin takes of the run beyond the plan (:func:`_budget_plan`;
+            ``cut``: it may run microbatches as pieces); ``selective``: the profile measures recompute "selective"."""
     auto = schedule == "auto" and pp > 1
     counts = _counts(microbatches, schedule)
     microbatches, uneven = max(counts), len(set(counts)) > 1
@@ -126,7 +127,10 @@ def make_plan(layers: Sequence[LayerSpec], pp: int, *, schedule: str | Schedule 
     measured, linked = _measured(layers, pp, partition, seed, sample, loss_fn, device, precision, compiled, links,
                                  selective or memory_budget is not None)
     if memory_budget is not None:
-        return _budget_plan(len(layers), params, measured, schedule, pp, counts, memory_budget, linked, sizes, facts)
+        return _budget_plan(len(layers), params, measured, schedule, pp, counts, memory_budget, linked, sizes, facts,
+                            lambda k: _measured(layers, pp, partition, seed, pieces_of(sample, k)[0], loss_fn,
+                                                device, precision, compiled, None, True)[0],
+                            _cuttable(measured, sizing, sample, cut))
     decided = decided_by_rank0(
         lambda: _decide(measured, sizing, compiled, partition, auto, memory_cap, linked, sizes))
     choice = decided if isinstance(decided, Choice) else None
@@ -163,10 +167,13 @@ def _measured(layers: Sequence[LayerSpec], pp: int, partition: str | Sequence[in
 
 def _budget_plan(num_layers: int, params: tuple[int, ...], measured: Sequence[LayerCost], schedule: str | Schedule,
                  pp: int, counts: Sequence[int], budget: float, links: Links | None, sizes: Sequence[float] | None,
-                 facts: Mapping[str, Any] | None) -> Plan:
+                 facts: Mapping[str, Any] | None, profile_pieces: Callable[[int], list[LayerCost]],
+                 cuttable: Mapping[int, str]) -> Plan:
     """The plan a memory budget of ``budget`` bytes per rank chose (the twin's parts, twin.py): the schedule's shape
     (with "auto"; else the one named), recompute per stage and the split, together ([Note: memory budget],
-    budget.py; needs the profile), decided by rank 0. ``facts``: what the twin takes of the run beyond the plan
+    budget.py; needs the profile), decided by rank 0; where the best plan so far needs recompute or nothing fits,
+    also with each microbatch run as 2, then 4 pieces (of ``cuttable``: [Note: microbatch pieces]), each profiled
+    on a piece of the sample, the fastest plan of all kept. ``facts``: what the twin takes of the run beyond the plan
     (dp, optimizer_states, zero, input_bytes, host...); ``runtime`` may be a function every rank calls now, after
     the profile: what its process holds beyond the model (the fullest one's is counted)."""
     if not measured:
@@ -178,13 +185,48 @@ def _budget_plan(num_layers: int, params: tuple[int, ...], measured: Sequence[La
     given = dict(facts or {})
     if callable(given.get("runtime")):   # what each process holds beyond the model now: the fullest one's
         given["runtime"] = max(gathered(given["runtime"](), None))
-    chosen = decided_by_rank0(lambda: fit_budget(measured, pp, counts[0], budget, schedules=kinds, links=links,
-                                                 sizes=sizes, **given))
+
+    def attempt(costs: Sequence[LayerCost], k: int) -> tuple[BudgetChoice | str, int | None]:
+        """Rank 0: the best plan with microbatches in ``k`` pieces (or why none fits), and the next ``k`` to try."""
+        piece = {**given, "input_bytes": given.get("input_bytes", 0.0) / k}
+        try:
+            each = None if sizes is None else [z for z in sizes for _ in range(k)]
+            found: BudgetChoice | str = fit_budget(costs, pp, counts[0] * k, budget, schedules=kinds, links=links,
+                                                   sizes=each, pieces=k, **piece)
+        except planner.PartitionError as exc:
+            found = str(exc)
+        wanted = isinstance(found, str) or any(r != "none" for r in found.recompute)
+        return found, (2 * k if wanted and 2 * k in cuttable else None)
+
+    found: list[BudgetChoice | str] = []
+    costs, k = list(measured), 1
+    while True:
+        result, after = decided_by_rank0(lambda: attempt(costs, k))
+        found.append(result)
+        if after is None:
+            break
+        costs, k = profile_pieces(after), after
+    fits = [c for c in found if isinstance(c, BudgetChoice)]
+    if not fits:
+        raise ValueError(str(found[-1]))   # (the most pieces: the least memory)
+    chosen = min(fits, key=lambda c: c.twin.step_s)
+    chosen.tried = [t for c in fits for t in c.tried]
     sched = chosen.schedule
-    evaluation = compile_schedule("forward", pp, counts[0], sched.chunks, placement=sched.placement_kind)
+    evaluation = compile_schedule("forward", pp, sched.microbatches, sched.chunks, placement=sched.placement_kind)
     return Plan(sched, evaluation, tuple(chosen.bounds), num_layers, None, None,
-                params, links=links, measured=tuple(measured),
-                recompute=tuple(chosen.recompute), budget=chosen)
+                params, links=links, measured=tuple(chosen.costs), recompute=tuple(chosen.recompute), budget=chosen,
+                pieces=chosen.pieces, piece_losses=cuttable.get(chosen.pieces, "mean"))
+
+
+def _cuttable(measured: Sequence[LayerCost], sizing: Sequence[nn.Module], sample: Any, cut: bool) -> dict[int, str]:
+    """Into how many equal pieces a memory budget may cut each microbatch, and how the loss adds up over them
+    ([Note: microbatch pieces]): what the profile found on the sample's output, where the sample's rows divide too,
+    unless a layer normalises over the batch (batch norm: its statistics would change), or not ``cut``."""
+    n = rows(sample)
+    if not cut or not measured or not n or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                               for layer in sizing for m in layer.modules()):
+        return {}
+    return {k: how for k, how in measured[-1].loss_pieces if n % k == 0}
 
 
 def _relowered(choice: Choice, schedule: str, pp: int, microbatches: int, chunks: int | None,

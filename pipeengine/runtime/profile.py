@@ -26,6 +26,7 @@ from .direct import covers, read_bytes
 from .hangs import ranks_text
 from .layers import LayerSpec, build_layer
 from .logs import log
+from .microbatches import loss_pieces
 from .planner import LayerCost, partition
 from .chain import LayerChain
 from .stage import DTYPES, Stage
@@ -285,7 +286,10 @@ def profile_shares(specs: Sequence[LayerSpec], seed: int, sample: tuple[Any, Any
                             group=group)
     finally:
         dist.destroy_process_group(group)
-    costs, lines = shared_costs([c for costs in everyone if costs for c in costs])
+    measured = [c for costs in everyone if costs for c in costs]
+    costs, lines = shared_costs(measured)
+    if measured and measured[-1].loss_pieces:   # (the last layer's own, whatever kind it shares)
+        costs[-1] = replace(costs[-1], loss_pieces=measured[-1].loss_pieces)
     if rank == 0:
         for line in lines:
             log.warning(f"partition profile: {line}")
@@ -318,8 +322,11 @@ def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, samp
             if not passed and not one_at_a_time:
                 dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1, group=group)
                 passed = True
-            result = profile_layers(layers, lo, len(specs), x, loss_fn=loss_fn, target=to_device(sample[1], device),
+            target = to_device(sample[1], device)
+            result = profile_layers(layers, lo, len(specs), x, loss_fn=loss_fn, target=target,
                                     device=device, precision=precision, split=split, selective=selective)
+            if selective and hi == len(specs) and result:   # a budget may cut microbatches: how the loss adds up
+                result[-1] = replace(result[-1], loss_pieces=tuple(sorted(loss_pieces(loss_fn, out, target).items())))
             if not passed:
                 dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1, group=group)
         return result

@@ -73,6 +73,9 @@ class Config:
         if sch.memory_budget is not None and self.recompute.policy != "none":
             raise ValueError(f"--memory-budget chooses recompute per stage itself: drop --recompute "
                              f"{self.recompute.policy}")
+        if sch.whole_microbatches and sch.memory_budget is None:
+            raise ValueError("--whole-microbatches says how --memory-budget may plan: give a budget, or drop it "
+                             "(without one, microbatches are never cut)")
         if sch.link_gbps is not None and sch.partition != "profile":
             raise ValueError("--link-gbps is planned for by --partition profile only; drop it or use profile")
         if opt.min_lr > opt.lr:

@@ -143,6 +143,9 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
                       sum(p.numel() for p in engine.parameters), engine.wire.early)
     stages = plan.recompute or [recompute] * plan.num_stages
+    if plan.pieces > 1:   # each microbatch runs as pieces, profiled on a piece ([Note: microbatch pieces])
+        facts["input_bytes"] /= plan.pieces
+        sizes = None if sizes is None else [z for z in sizes for _ in range(plan.pieces)]
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
                    recompute=[parse_recompute(r) for r in stages],
                    runtime=[runtime[p] for p in range(plan.schedule.pp)], **facts)
@@ -173,7 +176,8 @@ def build_engine(cfg: Any, model: Any, topo: Any, feed: Any, device: torch.devic
             on_nonfinite=cfg.faults.on_nonfinite, partition=partition, sample=sample, wire=cfg.parallel.wire,
             boundary_dtype=cfg.precision.boundary, costs=costs, memory_cap=cap * 2**30 if cap else None,
             shard_optimizer=cfg.parallel.zero == 1, link_gbps=cfg.schedule.link_gbps, microbatch_sizes=sizes,
-            memory_budget=budget * 2**30 if budget is not None else None, facts=facts)
+            memory_budget=budget * 2**30 if budget is not None else None, facts=facts,
+            cut_microbatches=not cfg.schedule.whole_microbatches)
     except ValueError as exc:
         if budget is None or not str(exc).startswith("no plan fits the memory budget"):
             raise
@@ -186,7 +190,8 @@ def dry_run(trainer: Any) -> dict[str, Any]:
     plan, cfg = trainer.engine.plan, trainer.cfg
     stages = list(plan.recompute or [cfg.recompute.policy] * plan.num_stages)
     result = {"dry_run": True, "pp": trainer.topo.pp, "dp": trainer.topo.dp, "schedule_run": plan.schedule.name,
-              "bounds": list(plan.bounds), "recompute": stages, **trainer.reporter.predicted()}
+              "bounds": list(plan.bounds), "recompute": stages, "pieces_per_microbatch": plan.pieces,
+              **trainer.reporter.predicted()}
     trainer.writer.close()
     if trainer.rank == 0:
         write_json(os.path.join(trainer.run_dir, "summary.json"), result)

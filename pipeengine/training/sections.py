@@ -123,10 +123,14 @@ class ScheduleConfig:
     memory_budget: float | None = setting(None, "with --partition profile: the most memory a rank may take, the "
                                                 "process's own included (on CPU above its baseline before the model "
                                                 "is built, on CUDA the allocator's peak); the schedule (with "
-                                                "--schedule auto; else the one named), recompute per stage and the "
-                                                "split are chosen together for the shortest predicted step whose "
-                                                "predicted peak fits in 90%% of it (the rest for what the twin misses)",
+                                                "--schedule auto; else the one named), recompute per stage, the "
+                                                "split and pieces per microbatch are chosen together for the "
+                                                "shortest predicted step whose predicted peak fits in 90%% of it "
+                                                "(the rest for what the twin misses)",
                                           check=finite(0, above=True, what="number of GiB"), metavar="GiB")
+    whole_microbatches: bool = setting(False, "with --memory-budget: never run a microbatch as 2 or 4 equal pieces "
+                                              "(the budget may, where the loss adds up over them and no layer "
+                                              "normalises over the batch: the same step in less memory)")
     dry_run: bool = setting(False, "set up, profile and plan, print the twin's prediction (the step time and each "
                                    "rank's peak memory by part, beside the schedule, split and recompute) and exit "
                                    "before the first step; for a cluster not at hand: python -m pipeengine.plan")

@@ -188,7 +188,8 @@ class Trainer:
                     log.info(shown)
             log.info(f"model {cfg.model.name}{'/' + cfg.model.preset if cfg.model.preset else ''}: "
                      f"{self.engine.num_layers} layers, stage bounds "
-                     f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.describe(topo.dp)}; "
+                     f"{self.engine.bounds}; schedule {self.engine.schedule.name}, {self.batch.describe(topo.dp)}"
+                     f"{f', each run as {self.engine.pieces} pieces' if self.engine.pieces > 1 else ''}; "
                      f"logs in {self.run_dir}")
             hint = slow_bf16_hint(self.device, cfg.precision.mode)
             if hint:

@@ -236,7 +236,7 @@ def _free_and_tight(model: Any, data: list[tuple[torch.Tensor, torch.Tensor]],
     def engine(budget: float) -> PipelineEngine:
         return PipelineEngine(model(), nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
                               schedule="gpipe", microbatches=4, partition="profile", sample=data[0],
-                              memory_budget=budget, facts={"host": FREE, "runtime": 0.0})
+                              memory_budget=budget, facts={"host": FREE, "runtime": 0.0}, cut_microbatches=False)
     free = engine(1e12)
     assert free.plan.recompute == ("none",) and free.plan.budget is not None
     peak = free.plan.budget.twin.memory[0]

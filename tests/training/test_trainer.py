@@ -124,6 +124,8 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
                                                          "profile only; drop it or use profile"),
     (["--memory-budget", "1", "--recompute", "full"], "error: --memory-budget chooses recompute per stage itself: "
                                                       "drop --recompute full"),
+    (["--whole-microbatches"], "error: --whole-microbatches says how --memory-budget may plan: give a budget, or "
+                               "drop it (without one, microbatches are never cut)"),
     (["--config", "{tmp}/blob.bin"], "error: --config '{tmp}/blob.bin' is not valid TOML: "),
     (["--config", "{tmp}/mpi.toml"], "error: parallel.backend (in --config '{tmp}/mpi.toml') 'mpi' is not one of "
                                      "auto, gloo, nccl (--backend takes the same values)"),
