@@ -49,11 +49,13 @@ class BudgetChoice:
     tried: list[tuple[str, float | None, float]] = field(default_factory=list)   # (label, step or None, least bytes)
     pieces: int = 1   # each microbatch run as this many ([Note: microbatch pieces], microbatches.py)
     costs: Sequence[LayerCost] = ()   # the layers' costs it was planned with (on a piece of the microbatch)
+    piece_losses: str = ""   # how the loss adds up over the pieces: "mean" or "sum"
 
     def describe(self) -> str:
         peak = max(m.total for m in self.twin.memory)
         shown = ", ".join(f"stage {s}: {r}" for s, r in enumerate(self.recompute) if r != "none") or "none"
-        cut = f", each microbatch run as {self.pieces} pieces" if self.pieces > 1 else ""
+        cut = (f", each microbatch run as {self.pieces} pieces (its loss a {self.piece_losses} over them)"
+               if self.pieces > 1 else "")
         lines = [f"memory budget {self.budget / 2**30:.2f} GiB per rank ({100 * (1 - HEADROOM):.0f}% planned): "
                  f"{self.schedule.name} on bounds "
                  f"{self.bounds}{cut}, recompute {shown}; predicted step {1e3 * self.twin.step_s:.1f} ms, peak "

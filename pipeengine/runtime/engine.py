@@ -50,7 +50,7 @@ class PipelineEngine:
             argument per layer; a tuple stays a tuple). Either built modules (every rank builds the
             same list; each keeps only its stages) or zero-argument factories, of which each rank
             calls only its own stages' (see layers.py: a model too big for one device).
-        loss_fn: ``loss_fn(output, target) -> scalar``: the microbatch's mean loss (the step's is their mean).
+        loss_fn: ``loss_fn(output, target) -> scalar``, the microbatch's loss (the step's is their mean).
         optimizer: ``optimizer(params) -> torch.optim.Optimizer`` for this rank's parameters.
         topology: the PP x DP grid (default: all ranks in one pipeline).
         plan: a :class:`Plan` made with :func:`make_plan`; without one, the engine makes it from the

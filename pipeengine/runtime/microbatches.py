@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .tensors import flat, to_device
 
-__all__ = ["read_microbatches", "rows", "pieces_of", "merged", "loss_pieces", "PIECES"]
+__all__ = ["read_microbatches", "rows", "Pieces", "pieces_of", "merged", "loss_pieces", "PIECES", "per_piece"]
 
 PIECES = (2, 4)   # the pieces a memory budget may cut a microbatch into
 _CONTAINER_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))   # a step's microbatches as a list or tuple
@@ -23,10 +23,13 @@ _CONTAINER_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))   # a 
 # by the pieces) or a sum (GPT's packed rows: a sum over real tokens times a weight, added up, the step divides
 # by the microbatches given). Which one, the profile finds on the sample's output (loss_pieces): the loss of
 # the whole against its pieces' sum; a loss that is neither (a mean over tokens that differ per piece) is never
-# cut. Equal pieces need every tensor of a microbatch with dims to have the same rows, a multiple of k (0-d
-# tensors go to every piece); a layer that reads the whole microbatch at once (batch norm's statistics) would
-# change, so such models are never cut (plan.py). Dropout's masks are drawn per piece (rng.py keys them by
-# microbatch), so a run with dropout draws other masks than one with whole microbatches.
+# cut. Limit: one sample decides; a mean over real tokens whose sample has no padding reads as a mean over rows.
+# Equal pieces need every tensor of a microbatch with dims to have the same rows, a multiple of k (0-d tensors go
+# to every piece). A microbatch may also come as its k pieces (Pieces): the trainer's packing, whose rows differ
+# from one microbatch to the next, builds k times the microbatches, each of its own shape, with the weight of
+# the microbatches given. A layer that reads the whole microbatch at once (batch norm's statistics) would change,
+# so such models are never cut (plan.py). Dropout's masks are drawn per piece (rng.py keys them by microbatch),
+# so a run with dropout draws other masks than one with whole microbatches.
 
 
 def read_microbatches(data_iter: Iterator[Any] | None, count: int, device: torch.device, step: int,
@@ -48,7 +51,7 @@ def read_microbatches(data_iter: Iterator[Any] | None, count: int, device: torch
             item = next(data_iter)
         except StopIteration:
             raise ValueError(f"the data iterator ran out after {k} of {count} microbatches of step {step}") from None
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
+        if not isinstance(item, (tuple, list)) or (len(item) != 2 and not isinstance(item, Pieces)):
             raise TypeError(f"the data iterator must yield (inputs, target) pairs, got {type(item).__name__}")
         for x, t in pieces_of(item, pieces, f"microbatch {k} of step {step}"):
             inputs.append(to_device(x, device, non_blocking))
@@ -66,15 +69,26 @@ def rows(item: Any) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
+class Pieces(tuple):   # type: ignore[type-arg]
+    """A microbatch given as its pieces already, each an ``(inputs, target)`` pair of its own shape: what the
+    trainer's packing builds when the plan runs pieces (its rows differ from microbatch to microbatch)."""
+
+
 def pieces_of(item: Any, k: int, what: str = "the microbatch") -> list[tuple[Any, Any]]:
-    """``(inputs, target)`` cut into ``k`` equal pieces along dim 0 (0-d tensors and non-tensors go to each)."""
+    """``(inputs, target)`` cut into ``k`` equal pieces along dim 0 (0-d tensors and non-tensors go to each), or
+    the ``k`` pieces of a :class:`Pieces`."""
+    if isinstance(item, Pieces):
+        if len(item) != k:
+            raise ValueError(f"{what} comes as {len(item)} pieces, but the plan runs each microbatch as {k}")
+        return [(x, t) for x, t in item]
     if k == 1:
         return [(item[0], item[1])]
     n = rows(item)
     if n is None or n % k:
-        raise ValueError(f"{what} has {n if n is not None else 'tensors of different'} rows, but the memory budget's "
-                         f"plan runs each microbatch as {k} equal pieces: make every microbatch's rows a multiple of "
-                         f"{k} (the microbatch size), or plan again with these microbatches")
+        has = f"{n} rows" if n is not None else "no rows all its tensors share"
+        raise ValueError(f"{what} has {has}, but the memory budget's plan runs each microbatch as {k} equal pieces "
+                         f"along its rows: give microbatches whose rows are a multiple of {k}, or plan without "
+                         f"pieces (--whole-microbatches; the engine's cut_microbatches=False)")
     return [(_piece(item[0], k, i), _piece(item[1], k, i)) for i in range(k)]
 
 
@@ -105,14 +119,25 @@ def loss_pieces(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target
     """How ``loss_fn`` adds up over pieces of a microbatch ([Note: microbatch pieces]): for each k of
     :data:`PIECES` the rows divide into, "mean" (the pieces' losses average to the whole's) or "sum" (they add up
     to it); a k it is neither for is left out. Reads the losses to the host (planning, not a step)."""
-    whole = float(loss_fn(output, target))
     found: dict[int, str] = {}
     n = rows((output, target))
     for k in PIECES:
-        if not n or n % k or not math.isfinite(whole) or whole == 0.0:
+        try:   # a loss that fails on a piece is never cut
+            whole = float(loss_fn(output, target))
+            if not n or n % k or not math.isfinite(whole) or whole == 0.0:
+                continue
+            total = sum(float(loss_fn(o, t)) for o, t in pieces_of((output, target), k))
+        except Exception:
             continue
-        total = sum(float(loss_fn(o, t)) for o, t in pieces_of((output, target), k))
         for name, expected in (("mean", k * whole), ("sum", whole)):
-            if abs(total - expected) <= 1e-4 * abs(expected):
+            if abs(total - expected) <= 1e-3 * abs(expected):
                 found[k] = name
     return found
+
+
+def per_piece(facts: dict[str, Any], sizes: Sequence[float] | None, k: int) -> tuple[dict[str, Any], Any]:
+    """The twin's facts and microbatch sizes of a run whose microbatches run as ``k`` pieces: a piece's input."""
+    if k == 1:
+        return facts, sizes
+    return ({**facts, "input_bytes": facts.get("input_bytes", 0.0) / k},
+            None if sizes is None else [z for z in sizes for _ in range(k)])

@@ -24,7 +24,7 @@ from .auto import AutoChoice, auto_schedule
 from .budget import SHAPES, BudgetChoice, fit_budget
 from .links import Links
 from .measured import Choice, LayerCost, sized
-from .microbatches import pieces_of, rows
+from .microbatches import per_piece, pieces_of, rows
 from .profile import profile_shares
 
 __all__ = ["Plan", "make_plan", "replica_counts"]
@@ -188,15 +188,14 @@ def _budget_plan(num_layers: int, params: tuple[int, ...], measured: Sequence[La
 
     def attempt(costs: Sequence[LayerCost], k: int) -> tuple[BudgetChoice | str, int | None]:
         """Rank 0: the best plan with microbatches in ``k`` pieces (or why none fits), and the next ``k`` to try."""
-        piece = {**given, "input_bytes": given.get("input_bytes", 0.0) / k}
+        piece, each = per_piece(given, sizes, k)
         try:
-            each = None if sizes is None else [z for z in sizes for _ in range(k)]
             found: BudgetChoice | str = fit_budget(costs, pp, counts[0] * k, budget, schedules=kinds, links=links,
                                                    sizes=each, pieces=k, **piece)
         except planner.PartitionError as exc:
             found = str(exc)
         wanted = isinstance(found, str) or any(r != "none" for r in found.recompute)
-        return found, (2 * k if wanted and 2 * k in cuttable else None)
+        return found, next((p for p in sorted(cuttable) if p > k), None) if wanted else None
 
     found: list[BudgetChoice | str] = []
     costs, k = list(measured), 1
@@ -210,7 +209,7 @@ def _budget_plan(num_layers: int, params: tuple[int, ...], measured: Sequence[La
     if not fits:
         raise ValueError(str(found[-1]))   # (the most pieces: the least memory)
     chosen = min(fits, key=lambda c: c.twin.step_s)
-    chosen.tried = [t for c in fits for t in c.tried]
+    chosen.tried, chosen.piece_losses = [t for c in fits for t in c.tried], cuttable.get(chosen.pieces, "")
     sched = chosen.schedule
     evaluation = compile_schedule("forward", pp, sched.microbatches, sched.chunks, placement=sched.placement_kind)
     return Plan(sched, evaluation, tuple(chosen.bounds), num_layers, None, None,

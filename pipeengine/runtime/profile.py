@@ -30,7 +30,7 @@ from .microbatches import loss_pieces
 from .planner import LayerCost, partition
 from .chain import LayerChain
 from .stage import DTYPES, Stage
-from .tensors import detach, flat, to_device
+from .tensors import detach, flat, to_device, to_float
 
 __all__ = ["profile_layers", "profile_shares", "shared_costs", "layer_kind"]
 
@@ -326,7 +326,8 @@ def _profile_share(specs: Sequence[LayerSpec], lo: int, hi: int, seed: int, samp
             result = profile_layers(layers, lo, len(specs), x, loss_fn=loss_fn, target=target,
                                     device=device, precision=precision, split=split, selective=selective)
             if selective and hi == len(specs) and result:   # a budget may cut microbatches: how the loss adds up
-                result[-1] = replace(result[-1], loss_pieces=tuple(sorted(loss_pieces(loss_fn, out, target).items())))
+                how = loss_pieces(loss_fn, to_float(out), target)
+                result[-1] = replace(result[-1], loss_pieces=tuple(sorted(how.items())))
             if not passed:
                 dist.send_object_list([to_device(out, torch.device("cpu"))], dst=rank + 1, group=group)
         return result

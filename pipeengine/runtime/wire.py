@@ -133,7 +133,8 @@ class Wire:
         top = (3 * microbatches * num_stages) * 16
         if mode == "tags" and not coalesce and top > MAX_TAG:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
-                             f"Gloo's {MAX_TAG}; use fewer microbatches or the 'strict' wire mode (one tag per pair)")
+                             f"Gloo's {MAX_TAG}; use fewer microbatches (a memory budget's pieces count) or the "
+                             f"'strict' wire mode (one tag per pair)")
         self.device, self.global_rank, self.stage_of, self.num_stages = device, global_rank, stage_of, num_stages
         self.microbatches = microbatches
         self.mode, self.coalesce, self.group = mode, coalesce, group

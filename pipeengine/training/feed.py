@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
+from ..runtime.microbatches import Pieces
 from .batch import Batch
 from .data import (data_digest, example_crc, replica_batches, replica_examples, replica_share, split_microbatches,
                    step_indices, step_loader)
@@ -125,6 +126,7 @@ class Feed:
         self.data, self.val_data, self.seed, self.batch = data, val, seed, batch
         self.dp, self.replica, self.steps, self.workers, self.cuda = dp, replica, steps, workers, cuda
         self.start = (0, 0)   # (step, examples consumed before it): set by resume
+        self.pieces = 1   # each microbatch's pieces, when the plan runs them (the trainer sets it after planning)
         self._loader: Any = None
         self._next_step = -1
 
@@ -150,12 +152,14 @@ class Feed:
         idx, lengths = step_indices(self.data, split, start, self.seed, self.batch.size), self.data.lengths(split)
         return [lengths[replica_share(idx, self.batch, self.dp, r)].tolist() for r in range(self.dp)]
 
-    def _built(self, examples: list[Any], split: str, start: int) -> list[tuple[Any, Any]]:
-        """The replica's microbatches of its ``examples`` by the packing (the global batch at ``start``)."""
+    def _built(self, examples: list[Any], split: str, start: int, pieces: int = 1) -> list[Any]:
+        """The replica's microbatches of its ``examples`` by the packing (the global batch at ``start``); with
+        ``pieces``, each as that many built by the packing, each of its own shape, the weight the microbatches'
+        ([Note: microbatch pieces] in runtime/microbatches.py: their rows differ, so they are not cut)."""
         counts = self.batch.counts(self.dp)
         real = sum(sum(share) for share in self._shares(split, start))
-        built: list[tuple[Any, Any]] = self.packing.build(examples, counts[self.replica], sum(counts) / max(real, 1))
-        return built
+        built: list[Any] = self.packing.build(examples, counts[self.replica] * pieces, sum(counts) / max(real, 1))
+        return built if pieces == 1 else [Pieces(built[i:i + pieces]) for i in range(0, len(built), pieces)]
 
     def tokens(self, step: int) -> tuple[int, int, int]:
         """The real tokens of step ``step``'s global batch, the positions computed for them (padding included) and
@@ -165,7 +169,7 @@ class Feed:
             return 0, 0, 0
         shares, counts = self._shares("train", self.position(step)), self.batch.counts(self.dp)
         return (sum(sum(s) for s in shares),
-                sum(self.packing.positions(s, counts[r]) for r, s in enumerate(shares)),
+                sum(self.packing.positions(s, counts[r] * self.pieces) for r, s in enumerate(shares)),
                 sum(n * n for s in shares for n in s))
 
     def sizes(self) -> list[float] | None:
@@ -180,8 +184,9 @@ class Feed:
     def sample(self) -> tuple[Any, Any]:
         """The run's first microbatch (what the profile partition times)."""
         if self.packing is not None:
-            return self._built(replica_examples(self.data, "train", 0, self.seed, self.batch, self.dp, 0), "train",
-                               0)[0]
+            first: tuple[Any, Any] = self._built(replica_examples(self.data, "train", 0, self.seed, self.batch,
+                                                                  self.dp, 0), "train", 0)[0]   # (whole)
+            return first
         if self.stream:
             return split_microbatches(default_collate([_pair(e, "an example of Model.data") for e in
                                                        _Stream(self.data, 0, "Model.data").take(self.batch.micro)]),
@@ -216,7 +221,7 @@ class Feed:
         got = next(self._loader)
         self._next_step = step + 1
         if self.packing is not None:
-            mbs = self._built(got, "train", self.position(step))
+            mbs = self._built(got, "train", self.position(step), self.pieces)
         else:
             mbs = self._mine(got) if self.stream else split_microbatches(got, self.batch.counts(self.dp)[self.replica])
         return iter(mbs), time.perf_counter() - t
@@ -229,8 +234,9 @@ class Feed:
             return iter(self._mine(_Stream(self.val_data, 0, "Model.val_data").take(self.batch.size)))
         source = self.data if not self.stream else DatasetSource(None, self.val_data)
         if self.packing is not None:
-            return iter(self._built(replica_examples(source, "val", step * self.batch.size, self.seed, self.batch,
-                                                     self.dp, self.replica), "val", step * self.batch.size))
+            examples = replica_examples(source, "val", step * self.batch.size, self.seed, self.batch, self.dp,
+                                        self.replica)
+            return iter(self._built(examples, "val", step * self.batch.size, self.pieces))
         return iter(replica_batches(source, "val", step * self.batch.size, self.seed, self.batch, self.dp,
                                     self.replica))
 

@@ -27,6 +27,7 @@ from ..runtime.engine import PipelineEngine
 from ..runtime.options import parse_recompute
 from ..runtime.tensors import flat
 from ..runtime.layers import sizing_layers
+from ..runtime.microbatches import per_piece
 from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
 from ..runtime.wire import posts_early
 from .checks import partition_arg
@@ -143,9 +144,7 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
                       sum(p.numel() for p in engine.parameters), engine.wire.early)
     stages = plan.recompute or [recompute] * plan.num_stages
-    if plan.pieces > 1:   # each microbatch runs as pieces, profiled on a piece ([Note: microbatch pieces])
-        facts["input_bytes"] /= plan.pieces
-        sizes = None if sizes is None else [z for z in sizes for _ in range(plan.pieces)]
+    facts, sizes = per_piece(facts, sizes, plan.pieces)   # profiled on a piece ([Note: microbatch pieces])
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
                    recompute=[parse_recompute(r) for r in stages],
                    runtime=[runtime[p] for p in range(plan.schedule.pp)], **facts)

@@ -140,6 +140,7 @@ class Trainer:
         self.batch = self.feed.batch = cfg.batch
         w.doing = "set-up: building the engine"
         self.engine = build_engine(cfg, self.model, self.topo, self.feed, self.device, point, self.baseline)
+        self.feed.pieces = self.engine.pieces   # a budget may run microbatches as pieces (runtime/microbatches.py)
         w.doing = "set-up: resuming" if point is not None else "set-up"
         start, examples, self.world_change = resume(cfg, self.engine, point)   # (at another size: world_change)
         w.started()
@@ -247,7 +248,8 @@ class Trainer:
                 "losses": state.losses, "skipped_steps": self.engine.skipped_steps,
                 **self.reporter.figures(state.start),
                 "closed_form_bubble": schedule_bubble(self.engine.schedule), "schedule_run": self.engine.schedule.name,
-                "oversubscribed": oversubscribed(self.device), "world_change": self.world_change}
+                "pieces_per_microbatch": self.engine.pieces, "oversubscribed": oversubscribed(self.device),
+                "world_change": self.world_change}
 
     def _write_summary(self) -> None:
         if self.rank == 0:

@@ -31,7 +31,8 @@ def test_a_microbatch_is_cut_along_its_rows_and_joined_back() -> None:
     joined = merged([p[0] for p in parts] + [p[0] for p in parts], 2)   # two microbatches' outputs, two pieces each
     assert len(joined) == 2 and all(torch.equal(j[0], tokens) and torch.equal(j[1], segments) for j in joined)
     with pytest.raises(ValueError, match=r"microbatch 1 of step 3 has 6 rows, but the memory budget's plan runs each "
-                                         r"microbatch as 4 equal pieces: make every microbatch's rows a multiple of 4"):
+                                         r"microbatch as 4 equal pieces along its rows: give microbatches whose rows "
+                                         r"are a multiple of 4, or plan without pieces \(--whole-microbatches"):
         read_microbatches(iter([(torch.zeros(8, 2), torch.zeros(8)), (torch.zeros(6, 2), torch.zeros(6))]), 2,
                           torch.device("cpu"), 3, 0, pieces=4)
     x, t = read_microbatches(iter([(torch.ones(8, 2), torch.zeros(8)), (torch.zeros(8, 2), torch.ones(8))]), 2,
@@ -57,8 +58,9 @@ def test_the_profile_tells_a_mean_loss_from_a_sum_and_from_neither() -> None:
     assert loss_pieces(_weighted_sum, out, (y, torch.tensor(0.01, dtype=torch.float64))) == {2: "sum", 4: "sum"}
     assert loss_pieces(nn.functional.mse_loss, out[:6], y[:6]) == {2: "mean"}   # 4 does not divide 6 rows
     padded = y.abs()
-    padded[:3, 1:] = -1.0   # the first rows are mostly padding: their pieces' means weigh as much as the others'
-    assert loss_pieces(_token_mean, out, padded) == {}
+    padded[:4, 1:] = -1.0   # the first rows are mostly padding: their pieces' means weigh as much as the others'
+    wrong = padded + torch.where(torch.arange(8)[:, None] < 4, 1.0, 3.0).double()   # errors 1, then 3
+    assert loss_pieces(_token_mean, wrong, padded) == {}
 
 
 def test_gpt_packed_rows_add_up_over_pieces() -> None:
@@ -148,13 +150,13 @@ def _budgeted(model: Any, data: list[tuple[torch.Tensor, torch.Tensor]], keep: f
 
 
 def test_a_budget_runs_microbatches_as_pieces_rather_than_recompute(one_process_group: None) -> None:
-    """Six Linear+GELU layers, four 2,048-row microbatches, room for half the activations: pieces of 1,024 rows keep
+    """Six Linear+GELU layers, four 1,024-row microbatches, room for half the activations: pieces of 512 rows keep
     the step's arithmetic (recompute would add a forward); the step's loss, weights and outputs are the whole
     microbatches' (up to the order of sums). Without pieces (``cut_microbatches=False``) no recompute fits it."""
     def model() -> list[nn.Module]:
         torch.manual_seed(0)
         return [nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)]
-    data = [(torch.randn(2048, 256), torch.randn(2048, 256)) for _ in range(4)]
+    data = [(torch.randn(1024, 256), torch.randn(1024, 256)) for _ in range(4)]
     free, tight = _budgeted(model, data, 0.5)
     assert tight.plan.pieces > 1 and tight.plan.recompute == ("none",) and tight.microbatches == 4
     assert tight.schedule.microbatches == 4 * tight.plan.pieces
