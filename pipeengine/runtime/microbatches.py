@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .tensors import flat, to_device
+from .tensors import flat, to_device, tree_map
 
 __all__ = ["read_microbatches", "rows", "Pieces", "pieces_of", "merged", "loss_pieces", "PIECES", "per_piece"]
 
@@ -89,15 +89,7 @@ def pieces_of(item: Any, k: int, what: str = "the microbatch") -> list[tuple[Any
         raise ValueError(f"{what} has {has}, but the memory budget's plan runs each microbatch as {k} equal pieces "
                          f"along its rows: give microbatches whose rows are a multiple of {k}, or plan without "
                          f"pieces (--whole-microbatches; the engine's cut_microbatches=False)")
-    return [(_piece(item[0], k, i), _piece(item[1], k, i)) for i in range(k)]
-
-
-def _piece(x: Any, k: int, i: int) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.chunk(k)[i] if x.dim() else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_piece(v, k, i) for v in x)
-    return x
+    return [tree_map((item[0], item[1]), lambda t: t.chunk(k)[i] if t.dim() else t) for i in range(k)]
 
 
 def merged(outputs: list[Any], k: int) -> list[Any]:
@@ -121,11 +113,14 @@ def loss_pieces(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target
     to it); a k it is neither for is left out. Reads the losses to the host (planning, not a step)."""
     found: dict[int, str] = {}
     n = rows((output, target))
+    try:
+        whole = float(loss_fn(output, target))
+    except Exception:
+        return found
     for k in PIECES:
+        if not n or n % k or not math.isfinite(whole) or whole == 0.0:
+            continue
         try:   # a loss that fails on a piece is never cut
-            whole = float(loss_fn(output, target))
-            if not n or n % k or not math.isfinite(whole) or whole == 0.0:
-                continue
             total = sum(float(loss_fn(o, t)) for o, t in pieces_of((output, target), k))
         except Exception:
             continue
