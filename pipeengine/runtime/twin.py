@@ -23,10 +23,12 @@ the host, :func:`predict` gives
   autograd call (measured.segmented), so there it stays), plus posting the
   position's transfers (:class:`Host`), and under recompute B runs F again (and a split W runs from the roots
   again: F, B and W; "selective": B runs what the profile measured it add, the whole backward under a
-  split); stretched when the node's processes want more cores than it has (no faster than the node's
-  work over its cores); plus the end of the step: a fixed host part, the gradient all-reduce over dp (ring: ``2
-  (dp - 1) / dp`` of the gradient bytes over the link) and the optimizer's pass over its parameters, gradients and
-  state (bytes over ``optimizer_bandwidth``, timed at start).
+  split); when the node's processes want more cores than it has, the pipeline's positions share its cores
+  (``Dataflow.shared_makespan``: those computing at once each run at the cores' share, so a fill runs at full
+  speed and a steady state slower, never faster than the node's work over its cores); plus the end of the
+  step: a fixed host part, the gradient all-reduce over dp (ring: ``2 (dp - 1) / dp`` of the gradient bytes over
+  the link) and the optimizer's pass over its parameters, gradients and state (bytes over
+  ``optimizer_bandwidth``, timed at start).
 
 The prediction is a model, not a measurement: the summary shows the measured figures beside it
 (``predicted_step_s`` / ``median_step_s``, ``predicted_peak_memory_mib`` / ``peak_memory_mib``).
@@ -40,7 +42,7 @@ from typing import Sequence
 from ..schedule import Costs, Schedule, simulate
 from ..schedule.actions import Kind
 from ..schedule.lower import lower
-from ..schedule.simulate import stage_peaks
+from ..schedule.simulate import Dataflow, stage_peaks
 from .links import Links
 from .measured import LayerCost, segmented, sized, with_transfers
 from .options import SELECTIVE
@@ -273,10 +275,12 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
     for s in range(schedule.num_stages - 1):
         p, q = schedule.placement(s)[0], schedule.placement(s + 1)[0]
         comm.append(links.seconds(p, q, costs[bounds[s + 1] - 1].output_bytes) if links is not None else 0.0)
-    sim = simulate(schedule, with_transfers(stage, comm), sizes=sized(sizes, schedule.microbatches))
+    per_stage_costs, each = with_transfers(stage, comm), sized(sizes, schedule.microbatches)
+    compute = simulate(schedule, per_stage_costs, sizes=each).makespan
     share = max(1.0, processes / max(cores, 1e-9))
-    # the node's processes run pipelines of pp ranks each: their work over its cores bounds the step from below
-    compute = max(sim.makespan, sum(sim.busy) * processes / schedule.pp / max(cores, 1e-9))
+    if share > 1:   # the node's processes run pipelines of pp ranks each: a pipeline's ranks share its cores
+        flow = Dataflow(schedule)
+        compute = max(compute, flow.shared_makespan(flow.durations(per_stage_costs), schedule.pp / share, comm, each))
     memory = stage_memory(costs, bounds, schedule, optimizer_states=optimizer_states, shards=dp if zero else 1,
                           recompute=recompute, input_bytes=input_bytes, runtime=runtime, early_receives=early_receives)
     grads = max(m.gradients for m in memory)

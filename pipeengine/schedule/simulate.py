@@ -302,6 +302,7 @@ class Dataflow:
         # boundary its input crosses to another position | -1); kind 0 F, 1 B of a split backward, 2 W, 3 B of a
         # full backward (b + w)
         self._slots: list[tuple[int, int, int, int]] = []
+        self._microbatch: list[int] = []   # each action's microbatch (for :meth:`shared_makespan`'s sizes)
         self.count = [[[0, 0, 0, 0] for _ in range(schedule.chunks)] for _ in range(schedule.pp)]
         pc = [0] * schedule.pp
         progress = True
@@ -319,6 +320,7 @@ class Dataflow:
                     crossing = (-1 if dep is None or dep[0] == p else stage - 1 if a.kind is Kind.F else stage)
                     self._slots.append((p, (p * schedule.chunks + a.chunk) * 4 + k, ids[dep] if dep is not None else -1,
                                         crossing))
+                    self._microbatch.append(a.microbatch)
                     self.count[p][a.chunk][k] += 1
                     ids[(p, a)] = len(ids)
                     pc[p] += 1
@@ -353,3 +355,44 @@ class Dataflow:
             end[i] = t
             clock[p] = t
         return max(clock, default=0.0)
+
+    def shared_makespan(self, table: list[list[tuple[float, float, float]]], capacity: float,
+                        comm: float | Sequence[float] = 0.0, sizes: Sequence[float] | None = None) -> float:
+        """:meth:`makespan` when the positions share ``capacity`` processors (CPU ranks on fewer cores than they
+        want): at any moment the ``n`` positions computing each progress at ``min(1, capacity / n)`` of their
+        speed, so a fill with one stage busy runs at full speed and a steady state with every stage busy at the
+        cores' share. ``sizes``: each microbatch's size relative to the one ``table`` describes."""
+        flat = [d for row in table for f, b, w in row for d in (f, b, w, b + w)]
+        hop = [comm] * max(0, self.schedule.num_stages - 1) if isinstance(comm, (int, float)) else list(comm)
+        queues = [collections.deque(i for i, s in enumerate(self._slots) if s[0] == p)
+                  for p in range(self.schedule.pp)]
+        end: list[float | None] = [None] * len(self._slots)
+        running: dict[int, list[float]] = {}   # position -> [action, work left]
+        now = 0.0
+        while any(queues) or running:
+            waits = []   # when an idle position's next action may start
+            for p, queue in enumerate(queues):
+                if p in running or not queue:
+                    continue
+                i = queue[0]
+                _, slot, dep, crossing = self._slots[i]
+                if dep >= 0 and end[dep] is None:
+                    continue
+                ready = 0.0 if dep < 0 else end[dep] + (hop[crossing] if crossing >= 0 else 0.0)   # type: ignore
+                if ready <= now:
+                    queue.popleft()
+                    size = sizes[self._microbatch[i]] if sizes is not None else 1.0
+                    running[p] = [i, flat[slot] * size]
+                else:
+                    waits.append(ready)
+            rate = min(1.0, capacity / len(running)) if running else 0.0
+            step = min([left / rate for _, left in running.values()] + [t - now for t in waits], default=None)
+            if step is None:
+                raise AssertionError("shared makespan stuck: an action waits for one that never runs")
+            now += step
+            for p, job in list(running.items()):
+                job[1] -= step * rate
+                if job[1] <= 1e-12 * max(1.0, now):
+                    end[int(job[0])] = now
+                    del running[p]
+        return now

@@ -133,3 +133,22 @@ def test_at_one_time_a_position_posts_first_what_a_free_peer_can_match() -> None
     gradient = next(i for i, st in enumerate(prog) if Action.parse("recvB0<3") in st)
     output = next(i for i, st in enumerate(prog) if Action.parse("sendF4.1>1") in st)
     assert gradient < output and prog[gradient] == (Action.parse("recvB0<3"),)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "interleaved-1f1b"])
+def test_positions_sharing_processors_run_as_their_share_allows(name: str) -> None:
+    """Processor sharing (CPU ranks on fewer cores): with a processor each it is the dependency-only makespan;
+    on one processor for all, the total work (some action can always run); in between, neither bound is exact."""
+    pp, m = 4, 8
+    s = build_schedule(name, pp, m)
+    c = Costs(1.0, 1.5, 0.5).per_chunk(s.chunks) if s.chunks > 1 else Costs(1.0, 1.5, 0.5)
+    flow = Dataflow(s)
+    table = flow.durations(c)
+    alone, work = flow.makespan(table), sum(flow.work(table))
+    assert flow.shared_makespan(table, pp) == pytest.approx(alone)
+    assert flow.shared_makespan(table, 1) == pytest.approx(work)
+    half = flow.shared_makespan(table, pp / 2)
+    assert max(alone, work / (pp / 2)) < half < 2 * alone   # the fill runs faster than the steady state
+    sizes = [2.0] * m   # microbatches twice the size: twice as long
+    assert flow.shared_makespan(table, pp / 2, sizes=sizes) == pytest.approx(2 * half)
+    assert flow.shared_makespan(table, pp, comm=0.25) == pytest.approx(flow.makespan(table, 0.25))
