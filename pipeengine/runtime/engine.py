@@ -73,9 +73,9 @@ class PipelineEngine:
         on_nonfinite: "stop" (raise :class:`NonFiniteError` naming the first non-finite stage) or "skip" (no
             update for that step; counted in ``skipped_steps``).
         bucket_mb: MiB of gradients per data-parallel all-reduce bucket.
-        overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its
-            gradients (grad_sync.py); False posts them all after the rank's last backward. Default
-            None: on CUDA only (see [Note: gradient all-reduce inside backward] for why not on CPU).
+        overlap_grad_sync: start each DP all-reduce bucket inside the backward that finalises its gradients
+            (grad_sync.py; False: all after the rank's last backward; None: on CUDA only, [Note: gradient all-reduce
+            inside backward] says why).
         shard_optimizer: ZeRO-1, the optimizer state sharded over each stage's data-parallel group
             (zero.py; a no-op at dp 1); the optimizer must update elements on their own (SGD, Adam, AdamW...).
         link_gbps: with ``partition="profile"``, every pipeline link's bandwidth in Gbit/s instead of measuring
@@ -203,9 +203,8 @@ class PipelineEngine:
 
     def close(self) -> None:
         """Let go of torch.distributed (release.py): the fault watcher stopped (unless another open engine shares
-        it) and this engine's references to process groups dropped, so that ``dist.destroy_process_group()`` frees
-        them while Python still runs. No step runs afterwards; later calls do nothing. ``with PipelineEngine(...)
-        as engine:`` calls it, and so does an atexit hook for engines still open at exit."""
+        it) and the references to process groups dropped, so ``dist.destroy_process_group()`` frees them while Python
+        runs. No step runs afterwards; later calls do nothing. ``with`` and an atexit hook call it too."""
         release(self)
 
     def __enter__(self) -> PipelineEngine:
@@ -363,8 +362,7 @@ class PipelineEngine:
     def _execute(self, step: Step, state: StepState) -> None:
         """Interpret one step of the program (a compute action, or a comm step for the wire)."""
         a = step[0]
-        stage = self.stages[a.chunk]
-        mb = a.microbatch
+        stage, mb, phase = self.stages[a.chunk], a.microbatch, Phase(a.kind.value) if a.kind.is_compute else Phase.COMM
         self.watch.doing = step   # formatted only if reported (faults.doing_text)
         if a.kind is Kind.F:
             if self.zero is not None:   # this stage's parameters, gathered after the last step ([Note: sharded ...])
@@ -391,9 +389,12 @@ class PipelineEngine:
         else:
             start = self.clock.mark()
             if self.wire.settle(state.computed):   # the proof's completions before this step: timed as waiting
-                self.clock.add(stage.index, Phase.WAIT, mb, start, self.clock.mark())
-                start = self.clock.mark()
-            self.wire.post(step, state.computed)
+                self.clock.add(stage.index, Phase.WAIT, mb, start, start := self.clock.mark())
+            self.wire.post(step, state.computed, read_headers=False)
+            if self.wire.headers_due:   # and so is a header step's wait for its header
+                self.clock.add(stage.index, Phase.COMM, mb, start, start := self.clock.mark())
+                self.wire.read_headers()
+                phase = Phase.WAIT
         state.computed = a.kind.is_compute
-        self.clock.add(stage.index, Phase(a.kind.value) if state.computed else Phase.COMM, mb, start, self.clock.mark())
+        self.clock.add(stage.index, phase, mb, start, self.clock.mark())
         self.wire.poll()

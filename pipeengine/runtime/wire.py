@@ -1,16 +1,15 @@
 """The wire between positions: a step's comm actions as paired isend/irecv, shape headers, tags, buffers.
 
 [Note: the wire is the program]
-Every transfer is one comm action of the rank's validated program, posted in program order, one
-step at a time (in ``tags`` mode a step's receives may go with the step before, [Note: receives one step
-early]); nothing else goes on the wire (but one void message after a shape changed, [Note: the first payload
-with its header]). A forward stream (what one stage sends the next in one train or eval step) starts with an
-explicit header action ``sendH``/``recvH`` that the lowering puts in a step of its own before the stream's first
-payload (schedule/lower.py). A header step completes before the rank goes on, as the validator's rendezvous
-semantics assume of every step, so a payload receive is posted with known (or expected, then checked) shapes and
-no receive is deferred (the header is the one transfer the host reads: once per stream and step). Gradients need
-no header: they have the shapes of what this rank sent. The header's format, and how it carries each microbatch's
-shapes: header.py.
+Every transfer is one comm action of the rank's validated program, posted in program order, one step at a time (in
+``tags`` mode a step's receives may go with the step before, [Note: receives one step early]); nothing else goes on
+the wire (but one void message after a shape changed, [Note: the first payload with its header]). A forward stream
+(what one stage sends the next in one train or eval step) starts with an explicit header action ``sendH``/``recvH``
+that the lowering puts in a step of its own before the stream's first payload (schedule/lower.py). A header step
+completes before the rank goes on, as the validator's rendezvous semantics assume of every step, so a payload
+receive is posted with known (or expected, then checked) shapes and no receive is deferred (the header is the one
+transfer the host reads: once per stream and step). Gradients need no header: they have the shapes of what this rank
+sent. The header's format, and how it carries each microbatch's shapes: header.py.
 
 [Note: boundary dtype]
 With ``boundary`` (``--boundary-dtype bf16``) every fp32 tensor crosses the wire as bf16, activations
@@ -19,46 +18,43 @@ stream. The header still announces fp32 (both sides agree on the setting), so no
 the rounding at the boundary is the price: results then depend on where the model is split.
 
 [Note: modes]
-``tags`` (Gloo default): tensor ``i`` of transfer ``t = 3 * (microbatch * stages + producer) +
-direction`` has tag ``16 t + i``; Gloo matches by (peer, tag), so a step's receives are left
-running. ``strict`` (NCCL semantics on Gloo, used by the tests): one tag between a pair, so Gloo
-matches by per-peer order as NCCL does, and a comm step's ops complete before the next comm step
-is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is one
-``batch_isend_irecv``; waits make the compute stream wait, not the host (NCCL's watchdog times out).
+``tags`` (Gloo default): tensor ``i`` of transfer ``t = 3 * (microbatch * stages + producer) + direction`` has tag
+``16 t + i``; Gloo matches by (peer, tag), so a step's receives are left running. ``strict`` (NCCL semantics on
+Gloo, used by the tests): one tag between a pair, so Gloo matches by per-peer order as NCCL does, and a comm step's
+ops complete before the next comm step is posted, as on NCCL's one in-order stream. On NCCL (``coalesce``) a step is
+one ``batch_isend_irecv``; waits make the compute stream wait, not the host (NCCL's watchdog times out).
 
 [Note: receives one step early]
-In ``tags`` mode on Gloo a comm step also posts the receives of the program's next comm step (those whose shapes
-are known: not a header, nor a payload whose header has not come unless expected, [Note: the first payload with
-its header]). Gloo moves a message only once its receive is
-posted (a rendezvous: about 0.1 ms here between two processes), so a receive posted with the step before is
-usually complete when the compute that takes it starts, where posted with its own step the rank would wait that
-long every time (1F1B's last stage after each B, its first after each F). Each receive keeps its own tag and its
-program order number, so nothing can match it but its own send, no wait comes sooner than in the program, and a
-send still completes no later; strict mode and NCCL post exactly the program (their per-peer order is the proof's).
-The price is one comm step's receive buffers held a little longer.
+In ``tags`` mode on Gloo a comm step also posts the receives of the program's next comm step (those whose shapes are
+known: not a header, nor a payload whose header has not come unless expected, [Note: the first payload with its
+header]). Gloo moves a message only once its receive is posted (a rendezvous: about 0.1 ms here between two
+processes), so a receive posted with the step before is usually complete when the compute that takes it starts,
+where posted with its own step the rank would wait that long every time (1F1B's last stage after each B, its first
+after each F). Each receive keeps its own tag and its program order number, so nothing can match it but its own
+send, no wait comes sooner than in the program, and a send still completes no later; strict mode and NCCL post
+exactly the program (their per-peer order is the proof's). The price is one comm step's receive buffers held a
+little longer.
 
 [Note: the first payload with its header]
-A stream's header and its first payload would be two rendezvous in a row on the step's critical path (the fill:
-each hop of 1F1B's first microbatch). In tags mode, where a stream's header (its tensors' shapes and dtypes) was
-the same in the last two steps of the same kind (train or eval), both ends take it to be the same again: the
-receiver posts the first payload's receive with its header's, and the two messages travel together. Both ends
-decide from what both saw, so they always agree; the header still comes and is checked. When it differs (shapes
-changed between steps) the sender sends a void message of the expected size where the payload was expected, and
-the payload on tags of its own (the header's block, after the header), which the receiver posts on reading the
-header: no wait comes sooner and no send later than in the program, and the void buffer is released at the step's
-end. A stream whose shapes keep changing (ragged batches) stops guessing after a miss, until two steps agree again.
+A stream's header and its first payload would be two rendezvous in a row on the step's critical path (the fill: each
+hop of 1F1B's first microbatch). In tags mode, where a stream's header (its tensors' shapes and dtypes) was the same
+in the last two steps of the same kind (train or eval), both ends take it to be the same again: the receiver posts
+the first payload's receive with its header's, and the two messages travel together. Both ends decide from what both
+saw, so they always agree; the header still comes and is checked. When it differs (shapes changed between steps) the
+sender sends a void message of the expected size where the payload was expected, and the payload on tags of its own
+(the header's block, after the header), which the receiver posts on reading the header: no wait comes sooner and no
+send later than in the program, and the void buffer is released at the step's end. A stream whose shapes keep
+changing (ragged batches) stops guessing after a miss, until two steps agree again.
 
 [Note: buffer lifetimes]
-A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent
-tensor (the stage kept only its autograd node, see stage.py) is held until its send completed.
-Gloo's works report completion only once waited on, so on Gloo a comm step's sends are waited on
-when the next one is posted (``settle()``): the program was proven under rendezvous semantics,
-where every step completes before the rank goes on, so this closes no cycle, and a stage holds
-one step's sends whatever the schedule (comm steps with no compute between them count as one: they
-are posted back to back, as one batch would be, and the next compute comes after all of them).
-Sooner, when ``take()`` gets a transfer from a peer, the earlier sends to it in the link's order
-were received (it posted those receives before sending this): they are waited on there without
-blocking. On NCCL ``poll()`` releases them.
+A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent tensor (the stage
+kept only its autograd node, see stage.py) is held until its send completed. Gloo's works report completion only
+once waited on, so on Gloo a comm step's sends are waited on when the next one is posted (``settle()``): the program
+was proven under rendezvous semantics, where every step completes before the rank goes on, so this closes no cycle,
+and a stage holds one step's sends whatever the schedule (comm steps with no compute between them count as one: they
+are posted back to back, as one batch would be, and the next compute comes after all of them). Sooner, when
+``take()`` gets a transfer from a peer, the earlier sends to it in the link's order were received (it posted those
+receives before sending this): they are waited on there without blocking. On NCCL ``poll()`` releases them.
 """
 
 from __future__ import annotations
@@ -160,6 +156,7 @@ class Wire:
         self._guessed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}   # producer stage -> the header expected
         self._missed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}    # stage -> what its receiver expected
         self._void: list[_Transfer] = []                                      # receives a miss left unused
+        self.headers_due: list[_Transfer] = []                                # headers post() left to read_headers()
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
         self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
         self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
@@ -236,10 +233,10 @@ class Wire:
         """Empty tensors for ``metas`` as they travel (see [Note: boundary dtype])."""
         return tuple(torch.empty(m.shape, dtype=self._on_wire(m.dtype), device=self.device) for m in metas)
 
-    def post(self, step: Step, after_compute: bool = True) -> None:
-        """Post one comm step (sends first, then receives, each in program order), after ``settle(after_compute)``,
-        and in tags mode the next comm step's receives ([Note: receives one step early]). It waits only for a header
-        step's header ([Note: the wire is the program])."""
+    def post(self, step: Step, after_compute: bool = True, read_headers: bool = True) -> None:
+        """Post one comm step (sends, then receives, in program order) after ``settle(after_compute)``, in tags mode
+        with the next step's receives ([Note: receives one step early]); it waits only for a header step's header
+        ([Note: the wire is the program]), and not yet with ``read_headers`` False: then :meth:`read_headers` does."""
         self.settle(after_compute)
         transfers: list[_Transfer] = []
         ops: list[tuple[_Transfer, torch.Tensor, int]] = []
@@ -267,19 +264,25 @@ class Wire:
                 ops += self._ops(self._transfer(a, self._posted + i))
         self._issue(ops)
         self._last_step = transfers if self.mode == "strict" and not self.coalesce else []
-        for tr in transfers:
-            if tr.action.kind is Kind.RECV_H:   # the one transfer the host reads (watched on CUDA too)
-                self._complete(tr)
-                values = self._watch().host_values(tr.tensors[0], (tr.action,), [tr.rank], error=P2PTimeout)
-                packed, metas, self._table = decode_header(values)
-                producer = self.stage_of(tr.action.chunk) - 1
-                self._streams[producer] = (tr.action.microbatch, packed, metas)
-                self._remember(producer, (packed, metas))
-                guess = self._guessed.pop(producer, None)
-                if guess is not None and guess != (packed, metas):   # the first payload comes on tags of its own
-                    key = (Kind.RECV_F, tr.action.microbatch, tr.action.chunk)
-                    self._void.append(self._incoming[key])
-                    self._issue(self._ops(self._transfer(self._void[-1].action, self._void[-1].seq, moved=True)))
+        self.headers_due = [tr for tr in transfers if tr.action.kind is Kind.RECV_H]
+        if read_headers:
+            self.read_headers()
+
+    def read_headers(self) -> None:
+        """Wait for the headers the last :meth:`post` received and read them."""
+        due, self.headers_due = self.headers_due, []
+        for tr in due:   # the one transfer the host reads (watched on CUDA too)
+            self._complete(tr)
+            values = self._watch().host_values(tr.tensors[0], (tr.action,), [tr.rank], error=P2PTimeout)
+            packed, metas, self._table = decode_header(values)
+            producer = self.stage_of(tr.action.chunk) - 1
+            self._streams[producer] = (tr.action.microbatch, packed, metas)
+            self._remember(producer, (packed, metas))
+            guess = self._guessed.pop(producer, None)
+            if guess is not None and guess != (packed, metas):   # the first payload comes on tags of its own
+                key = (Kind.RECV_F, tr.action.microbatch, tr.action.chunk)
+                self._void.append(self._incoming[key])
+                self._issue(self._ops(self._transfer(self._void[-1].action, self._void[-1].seq, moved=True)))
 
     def settle(self, after_compute: bool = True) -> bool:
         """Complete what the proven program completes before the next comm step: Gloo's earlier sends
