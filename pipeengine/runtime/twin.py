@@ -28,7 +28,7 @@ the host, :func:`predict` gives
   speed and a steady state slower, never faster than the node's work over its cores); plus the end of the
   step: a fixed host part, the gradient all-reduce over dp (ring: ``2 (dp - 1) / dp`` of the gradient bytes over
   the link) and the optimizer's pass over its parameters, gradients and state (bytes over
-  ``optimizer_bandwidth``, timed at start).
+  ``optimizer_bandwidth``, timed at start), with a clip one more over the gradients.
 
 The prediction is a model, not a measurement: the summary shows the measured figures beside it
 (``predicted_step_s`` / ``median_step_s``, ``predicted_peak_memory_mib`` / ``peak_memory_mib``).
@@ -266,10 +266,11 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
             optimizer_states: float = 2, zero: bool = False, input_bytes: float = 0.0,
             runtime: float | Sequence[float] = 0.0,
             processes: int = 1, cores: float = 1.0, host: Host = HOST, optimizer_bandwidth: float = 5e9,
-            dp_bandwidth: float | None = None, early_receives: bool = False) -> Twin:
+            dp_bandwidth: float | None = None, early_receives: bool = False, clip: bool = False) -> Twin:
     """The twin of a run of ``schedule`` on ``bounds`` (see [Note: the twin]). ``processes`` x their threads want
     ``cores``: the node's ranks and cores (their ratio stretches compute when above 1); ``dp_bandwidth``: bytes/s of
-    the data-parallel all-reduce (None: the pipeline links', else 1 GB/s)."""
+    the data-parallel all-reduce (None: the pipeline links', else 1 GB/s); ``clip``: the gradients are clipped (one
+    more pass over them, read and written, at the optimizer's speed)."""
     stage = stage_costs(costs, bounds, schedule, host, recompute)
     comm = []
     for s in range(schedule.num_stages - 1):
@@ -287,7 +288,7 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
     bandwidth = dp_bandwidth or (min(links.bandwidth) if links is not None and links.bandwidth else 1e9)
     sync = 2 * (dp - 1) / dp * grads / bandwidth if dp > 1 else 0.0
     # the optimizer passes over parameters, gradients and state of its share (1 / dp of them under ZeRO-1)
-    opt = (2 + 2 * optimizer_states) * grads / (dp if zero else 1) / optimizer_bandwidth
+    opt = ((2 + 2 * optimizer_states) / (dp if zero else 1) + 2 * clip) * grads / optimizer_bandwidth
     parts = {"compute": compute, "host": host.per_step * share, "dp sync": sync,
              "optimizer": opt * share}
     where = f"; {processes} processes share {cores:g} cores" if share > 1 else ""

@@ -114,17 +114,17 @@ def _model_bytes(engine: PipelineEngine) -> float:
 
 
 def run_facts(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device, dp: int,
-              zero: bool, sample_inputs: Any, elements: int, early_receives: bool) -> dict[str, Any]:
+              zero: bool, sample_inputs: Any, elements: int, early_receives: bool, clip: bool) -> dict[str, Any]:
     """What the twin takes of the run beyond the plan (twin.predict's arguments): data parallelism, the optimizer's
     state per parameter and speed (timed on ``elements`` floats), the input's bytes, the cores, the host, whether the
-    wire posts receives early (wire.posts_early)."""
+    wire posts receives early (wire.posts_early), whether the gradients are clipped."""
     probe = torch.nn.Parameter(torch.zeros(1, device=device))
     states = optimizer_states(build([probe]))
     processes, cores = node_cores(device)
     return {"dp": dp, "zero": zero, "optimizer_states": states, "processes": processes, "cores": cores,
             "input_bytes": sum(t.numel() * t.element_size() for t in flat(sample_inputs)),
             "host": HOST_CUDA if device.type == "cuda" else HOST,
-            "early_receives": early_receives,
+            "early_receives": early_receives, "clip": clip,
             "optimizer_bandwidth": optimizer_bandwidth(build, device, states, elements)}
 
 
@@ -142,7 +142,7 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
     runtime = {engine.topology.position_of(r): b for r, b in zip(ranks, everyone)}
     facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
-                      sum(p.numel() for p in engine.parameters), engine.wire.early)
+                      sum(p.numel() for p in engine.parameters), engine.wire.early, engine.grad_clip is not None)
     stages = plan.recompute or [recompute] * plan.num_stages
     facts, sizes = per_piece(facts, sizes, plan.pieces)   # profiled on a piece ([Note: microbatch pieces])
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
@@ -164,7 +164,7 @@ def build_engine(cfg: Any, model: Any, topo: Any, feed: Any, device: torch.devic
     if budget is not None and sample is not None:   # (a budget needs the profile: config.py)
         elements = sum(p.numel() for m in sizing_layers(model.layers) for p in m.parameters()) // topo.pp
         facts = {**run_facts(cfg.optimizer.build, device, topo.dp, cfg.parallel.zero == 1, sample[0], elements,
-                             posts_early(cfg.parallel.wire, nccl())),
+                             posts_early(cfg.parallel.wire, nccl()), cfg.optimizer.grad_clip is not None),
                  "runtime": lambda: (max(0.0, resident_bytes(trim=True) - baseline) if device.type != "cuda" else 0.0)}
     try:
         return PipelineEngine(

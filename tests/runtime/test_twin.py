@@ -200,6 +200,8 @@ def test_the_predicted_step_is_the_simulated_one_plus_the_end_of_the_step() -> N
     assert twin.parts["compute"] == pytest.approx(simulate(sched, Costs(4e-3, 4e-3, 4e-3)).makespan)
     assert twin.parts["host"] == 5e-3 and twin.parts["dp sync"] == 0
     assert twin.parts["optimizer"] == pytest.approx(6 * 16 * MB / (16 * MB / 1e-3))   # params, grads, 2 states
+    clipped = predict(layers(), [0, 4, 8], sched, optimizer_bandwidth=16 * MB / 1e-3, clip=True)
+    assert clipped.parts["optimizer"] == pytest.approx(8 * 1e-3)   # and the clip reads and writes the gradients
     assert twin.step_s == pytest.approx(sum(twin.parts.values()))
     shared = predict(layers(), [0, 4, 8], sched, host=FREE, processes=4, cores=2)   # pp 2 x dp 2 on 2 cores
     alone = predict(layers(), [0, 4, 8], sched, host=FREE)
