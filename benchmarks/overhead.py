@@ -85,9 +85,9 @@ def _time_python_before_first_op(engine: PipelineEngine, delays: list[float]) ->
     post, issue = engine.wire.post, engine.wire._issue
     start: list[float] = []
 
-    def timed_post(step: Any, *rest: Any) -> None:
+    def timed_post(step: Any, *rest: Any, **options: Any) -> None:
         start[:] = [time.perf_counter()]
-        post(step, *rest)
+        post(step, *rest, **options)
 
     def timed_issue(ops: Any) -> Any:
         if start:
