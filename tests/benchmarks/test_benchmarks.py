@@ -182,6 +182,7 @@ def test_real_models_smoke(scripts: Any) -> None:
     assert "| mlp/tiny | 2 x 1 | ours profile 1f1b |" in proc.stderr
 
 
+@pytest.mark.slow
 def test_dryrun_times_the_plan_command() -> None:
     """benchmarks.dryrun: one ``python -m pipeengine.plan`` timed, its projection read back; a refusal's row."""
     from benchmarks.dryrun import run, table

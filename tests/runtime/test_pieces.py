@@ -149,6 +149,7 @@ def _budgeted(model: Any, data: list[tuple[torch.Tensor, torch.Tensor]], keep: f
     return free, engine((peak.total - (1 - keep) * peak.activations) / (1 - HEADROOM))
 
 
+@pytest.mark.slow
 def test_a_budget_runs_microbatches_as_pieces_rather_than_recompute(one_process_group: None) -> None:
     """Six Linear+GELU layers, four 1,024-row microbatches, room for half the activations: pieces of 512 rows keep
     the step's arithmetic (recompute would add a forward); the step's loss, weights and outputs are the whole

@@ -88,6 +88,7 @@ def profile_worker(rank: int, world: int) -> list[Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_profile_partition_measures_in_parallel_and_every_rank_agrees(world2: WorldPool) -> None:
     results = world2.run(profile_worker, timeout=110)

@@ -257,6 +257,7 @@ def _same_step(free: PipelineEngine, tight: PipelineEngine, data: list[tuple[tor
         e.close()
 
 
+@pytest.mark.slow
 def test_the_engine_runs_the_recompute_a_budget_chose(one_process_group: None) -> None:
     """One rank, six Linear+GELU layers, GPipe over four 2,048-row microbatches (about 4 MiB kept per layer each): a
     budget that leaves room for half the activations makes the stage recompute, and the step's loss and weights

@@ -114,13 +114,13 @@ def exchange(rank: int, world: int, mode: str) -> list[str]:
     checks.append(repr(wire.log))
     if mode == "tags":   # out of order: rank 1 waits for microbatch 2, rank 0 only ever sends microbatch 3
         wire.begin_step()
-        watch().timeout = 2
+        watch().timeout = 1
         try:
             if rank == 0:
                 wire.put(Kind.F, 3, 0, grad)
                 wire.post((A("sendH3>1"),))
                 wire.post((A("sendF3>1"),))   # not waited: must not hang
-                time.sleep(5)                   # stay alive until rank 1 has timed out
+                time.sleep(3.5)                 # stay alive until rank 1 has timed out
             else:
                 wire.post((A("recvH3<0"),))
                 wire.post((A("recvF2<0"),))   # posting never waits; taking does
@@ -148,7 +148,7 @@ def test_header_steps_tuples_shape_change_and_posted_ops(mode: str, request: pyt
     assert [n for a, _, _, _, n in log0 if a == "sendF0>1"] == [4 * 16 * 8 * 4, 4 * 16 * 8]
     assert (tags == {0}) == (mode != "tags"), tags
     if mode == "tags":
-        assert r1[4].startswith("rank 1: waits 2.0 s in recvF2<0 for rank(s) 0: no completion after 2 s"), r1[4]
+        assert r1[4].startswith("rank 1: waits 1.0 s in recvF2<0 for rank(s) 0: no completion after 1 s"), r1[4]
         # the wait-for report: rank 0 was alive and said so
         assert "\n  rank 0: runs outside the engine" in r1[4], r1[4]
 

@@ -60,6 +60,7 @@ def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_progress_on_a_terminal_is_one_updating_line_with_eta(tmp_path: Path) -> None:
     code, text = on_a_terminal([sys.executable, "-m", "pipeengine.train", "--model", "mlp", "--steps", "8",
                                 "--log-dir", str(tmp_path)], dict(os.environ, PYTHONPATH=str(ROOT)), ROOT)
