@@ -268,9 +268,9 @@ def predict(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedul
             processes: int = 1, cores: float = 1.0, host: Host = HOST, optimizer_bandwidth: float = 5e9,
             dp_bandwidth: float | None = None, early_receives: bool = False, clip: bool = False) -> Twin:
     """The twin of a run of ``schedule`` on ``bounds`` (see [Note: the twin]). ``processes`` x their threads want
-    ``cores``: the node's ranks and cores (their ratio stretches compute when above 1); ``dp_bandwidth``: bytes/s of
-    the data-parallel all-reduce (None: the pipeline links', else 1 GB/s); ``clip``: the gradients are clipped (one
-    more pass over them, read and written, at the optimizer's speed)."""
+    ``cores``: the node's ranks and cores (above 1 their ratio has the positions share the cores);
+    ``dp_bandwidth``: bytes/s of the data-parallel all-reduce (None: the pipeline links', else 1 GB/s); ``clip``: the
+    gradients are clipped (one more pass over them, read and written, at the optimizer's speed)."""
     stage = stage_costs(costs, bounds, schedule, host, recompute)
     comm = []
     for s in range(schedule.num_stages - 1):

@@ -197,3 +197,37 @@ def test_the_first_payload_goes_with_its_header_once_two_steps_agreed(world2: Wo
     # train: A A B A A (two agreed, a miss, then no guess); eval: A B B A (a miss after two Bs)
     assert [g for g, _, _ in got] == [False, False, False, False, True, False, False, True, False], got
     assert all(ok for _, _, ok in got), got
+
+
+class _SlowOnce(torch.nn.Module):
+    """A linear layer whose first forward of a step sleeps ``pause`` seconds (a long stage 0 before the fill)."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.lin, self.pause = torch.nn.Linear(4, 4), pause
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pause:
+            time.sleep(self.pause)
+            self.pause = 0.0
+        return self.lin(x)
+
+
+def _header_wait(rank: int, world: int) -> list[tuple[str, float]]:
+    from pipeengine.runtime.engine import PipelineEngine
+    engine = PipelineEngine([_SlowOnce(0.5 if rank == 0 else 0.0), torch.nn.Linear(4, 4)],
+                            lambda out, y: (out - y).pow(2).mean(), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                            microbatches=2, partition=[0, 1, 2])
+    x = torch.randn(4, 4)
+    result = engine.train_batch(iter([(x, x)] * 2))
+    engine.close()
+    return [(r.kind, r.end - r.start) for r in result.records]
+
+
+@pytest.mark.timeout(60)
+def test_a_header_steps_wait_for_its_header_is_timed_as_waiting_not_as_posting(world2: Any) -> None:
+    """The last stage's first comm step waits for stage 0's (slow) first forward to send its header: that wait is
+    a WAIT record (the bubble, as the simulator counts it), the posting beside it a short COMM one."""
+    _, last = world2.run(_header_wait)
+    assert last[0][0] == "COMM" and last[1][0] == "WAIT" and last[1][1] >= 0.4, last[:3]
+    assert sum(d for kind, d in last if kind == "COMM") < last[1][1] / 4, last
