@@ -214,7 +214,7 @@ def _budget_plan(num_layers: int, params: tuple[int, ...], measured: Sequence[La
     evaluation = compile_schedule("forward", pp, sched.microbatches, sched.chunks, placement=sched.placement_kind)
     return Plan(sched, evaluation, tuple(chosen.bounds), num_layers, None, None,
                 params, links=links, measured=tuple(chosen.costs), recompute=tuple(chosen.recompute), budget=chosen,
-                pieces=chosen.pieces, piece_losses=cuttable.get(chosen.pieces, "mean"))
+                pieces=chosen.pieces, piece_losses=chosen.piece_losses or "mean")
 
 
 def _cuttable(measured: Sequence[LayerCost], sizing: Sequence[nn.Module], sample: Any, cut: bool) -> dict[int, str]:

@@ -176,6 +176,27 @@ def reference(model: str, opt: str, microbatches: int = 1) -> tuple[list[float],
                     for k, v in layer.state_dict().items()}
 
 
+def train_alone(opt: str, loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+                ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, float64, ``nn.Sequential`` of :func:`mlp_layers`: each step's loss ``loss_of(net, x, y)`` on
+    ``batch(step)``, backward and the optimizer ``opt``; the losses and the final state (keys ``"layer.name"``)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        layers = mlp_layers()
+        net = nn.Sequential(*layers)
+        optim, losses = OPTIMIZERS[opt](list(net.parameters())), []
+        for step in range(STEPS):
+            loss = loss_of(net, *batch(step))
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            losses.append(loss.item())
+        return losses, {f"{i}.{k}": v.detach().clone() for i, layer in enumerate(layers)
+                        for k, v in layer.state_dict().items()}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def replica_iter(data: Any, step: int, replica: int, dp: int, m: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     x, y = data(step)
     per = GLOBAL_BATCH // dp

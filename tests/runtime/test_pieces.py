@@ -15,10 +15,10 @@ from pipeengine.runtime.budget import HEADROOM
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.microbatches import loss_pieces, merged, pieces_of, read_microbatches
 from pipeengine.runtime.twin import Host
-from tests.runtime.equivalence import ATOL, GLOBAL_BATCH, OPTIMIZERS, RTOL, batch, mlp_layers
+from tests.runtime.equivalence import ATOL, GLOBAL_BATCH, OPTIMIZERS, RTOL, STEPS, batch, mlp_layers, train_alone
 
 FREE = Host(per_step=0.0, per_post=0.0, post_bandwidth=float("inf"))
-STEPS, MICROBATCHES = 3, 4
+MICROBATCHES = 4
 
 
 def test_a_microbatch_is_cut_along_its_rows_and_joined_back() -> None:
@@ -76,24 +76,8 @@ def test_gpt_packed_rows_add_up_over_pieces() -> None:
 
 def _reference(loss: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, float64, the whole batch: the step's loss is the microbatches' mean (or the weighted sums')."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        layers = mlp_layers()
-        net, losses = nn.Sequential(*layers), []
-        optim = OPTIMIZERS["adam"](list(net.parameters()))
-        for step in range(STEPS):
-            x, y = batch(step)
-            out = net(x)
-            value = (nn.functional.mse_loss(out, y) if loss == "mean"
-                     else _weighted_sum(out, (y, torch.tensor(1.0 / GLOBAL_BATCH))))
-            optim.zero_grad()
-            value.backward()
-            optim.step()
-            losses.append(value.item())
-        return losses, {f"{i}.{k}": v.detach().clone() for i, layer in enumerate(layers)
-                        for k, v in layer.state_dict().items()}
-    finally:
-        torch.set_default_dtype(torch.float32)
+    return train_alone("adam", lambda net, x, y: nn.functional.mse_loss(net(x), y) if loss == "mean"
+                       else _weighted_sum(net(x), (y, torch.tensor(1.0 / GLOBAL_BATCH))))
 
 
 def _in_pieces(rank: int, world: int, schedule: str, pieces: int, loss: str) -> dict[str, Any]:

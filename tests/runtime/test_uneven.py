@@ -13,29 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from tests.runtime.equivalence import OPTIMIZERS, RTOL, ATOL, batch, mlp_layers
+from tests.runtime.equivalence import OPTIMIZERS, RTOL, ATOL, STEPS, batch, mlp_layers, train_alone
 
-MICRO, STEPS = 2, 3
+MICRO = 2
 
 
 def _reference(examples: int, opt: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    torch.set_default_dtype(torch.float64)
-    try:
-        layers = mlp_layers()
-        net = nn.Sequential(*layers)
-        optim = OPTIMIZERS[opt](list(net.parameters()))
-        losses = []
-        for step in range(STEPS):
-            x, y = batch(step)
-            loss = nn.functional.mse_loss(net(x[:examples]), y[:examples])
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-            losses.append(loss.item())
-        return losses, {f"{i}.{k}": v.detach().clone() for i, layer in enumerate(layers)
-                        for k, v in layer.state_dict().items()}
-    finally:
-        torch.set_default_dtype(torch.float32)
+    return train_alone(opt, lambda net, x, y: nn.functional.mse_loss(net(x[:examples]), y[:examples]))
 
 
 def _uneven(rank: int, world: int, pp: int, counts: list[int], opt: str, extra: dict[str, Any]) -> dict[str, Any]:
