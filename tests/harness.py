@@ -273,11 +273,14 @@ def python_cli(*args: str, code: str | None = None, timeout: float = 120,
 
 def on_a_terminal(cmd: list[str], env: dict[str, str], cwd: Path, stderr_too: bool = False,
                   timeout: float = 100) -> tuple[int, str]:
-    """Run ``cmd`` with its stdout (and stderr, if ``stderr_too``) on a pseudo-terminal; (exit status, text)."""
+    """Run ``cmd`` with its stdout (and stderr, if ``stderr_too``) on a pseudo-terminal; (exit status, text). A run
+    that fails has its stderr (when not on the terminal) after the text, to say why."""
     import pty
     import select
+    import tempfile
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=slave, stderr=slave if stderr_too else subprocess.PIPE,
+    errors = tempfile.TemporaryFile()   # (a file, not a pipe: nothing to drain while it runs)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=slave, stderr=slave if stderr_too else errors,
                             start_new_session=True)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
@@ -294,4 +297,7 @@ def on_a_terminal(cmd: list[str], env: dict[str, str], cwd: Path, stderr_too: bo
             break
     proc.wait(timeout=30)
     os.close(master)
-    return proc.returncode, "".join(chunks)
+    errors.seek(0)
+    stderr = errors.read().decode(errors="replace")
+    errors.close()
+    return proc.returncode, "".join(chunks) + (f"\n[stderr]\n{stderr}" if proc.returncode and stderr else "")

@@ -64,9 +64,9 @@ def test_one_process_run_decomposes_its_steps_and_shows_bubble_0(
 def test_progress_on_a_terminal_is_one_updating_line_with_eta(tmp_path: Path) -> None:
     code, text = on_a_terminal([sys.executable, "-m", "pipeengine.train", "--model", "mlp", "--steps", "8",
                                 "--log-dir", str(tmp_path)], dict(os.environ, PYTHONPATH=str(ROOT)), ROOT)
+    assert code == 0, text[-3000:]
     progress = text[text.index("[", text.index("logs in")):text.index("=" * 72)]
     updates = [u for u in progress.split("\r") if u.strip()]
-    assert code == 0
     assert len(updates) == 8 and all("ETA 0:00:" in u and "steps/s" in u for u in updates), updates
     assert progress.count("\n") == 1   # only after the last update
 
