@@ -137,11 +137,11 @@ class PipelineEngine:
         self.stop_request: int | None = None   # a signal this rank got, told to every rank with the next step
         u = self.update = Update(self, bucket_mb, overlap_grad_sync, shard_optimizer and self.topology.dp > 1)
         self.grad_sync, self.zero, self.consensus, self.loss_scale = u.grad_sync, u.zero, u.consensus, u.loss_scale
-        if self.zero is not None:
-            self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages]
+        self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages] if self.zero else []
         self._take_program(wire, eval_schedule, DTYPES[boundary_dtype])
         self.clock = ActionClock(self.rank, self.device, lambda event: self.watch.poll(event, "timing the step", []))
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
+        self.step_data: tuple[list[Any], list[Any]] | None = None   # a training step's (inputs, targets) until its end
         self._step_times: list[float] = []
         self._steps_run, self.closed = 0, False   # steps run by this engine object (the first is start-up)
         self._state = EngineState(self)
@@ -158,8 +158,7 @@ class PipelineEngine:
             raise ValueError(f"topology pp={self.topology.pp} x dp={self.topology.dp} = "
                              f"{self.topology.world_size} ranks, but the world has {world}")
         self.rank = dist.get_rank()
-        self.position = self.topology.position_of(self.rank)
-        self.replica = self.topology.replica_of(self.rank)
+        self.position, self.replica = self.topology.position_of(self.rank), self.topology.replica_of(self.rank)
         self.device = device or default_device()
         if plan is not None and (plan.schedule.pp != self.topology.pp or plan.num_layers != num_layers):
             raise ValueError(f"the plan is for pp={plan.schedule.pp} and {plan.num_layers} layers, but the topology "
@@ -180,7 +179,8 @@ class PipelineEngine:
 
     def _take_program(self, wire: str, eval_schedule: Schedule, boundary: torch.dtype | None) -> None:
         """This position's programs and what interpreting them needs: the wire, where the gradients become final."""
-        self.wire = Wire(self.device, self._global, lambda c: self.schedule.stage(self.position, c),
+        self.wire = Wire(self.device, lambda q: self.topology.rank(q, self.replica),
+                         lambda c: self.schedule.stage(self.position, c),
                          self.plan.num_stages, self.schedule.microbatches, mode=wire, watcher=self.watch,
                          boundary=boundary)
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
@@ -195,9 +195,6 @@ class PipelineEngine:
         self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
                                         lambda a: self.schedule.releases(self.position, a, self._split))
                         if self.grad_sync.overlap and self.topology.dp > 1 else {})
-
-    def _global(self, position: int) -> int:
-        return self.topology.rank(position, self.replica)
 
     # ------------------------------------------------------------------ public API
 
@@ -287,8 +284,6 @@ class PipelineEngine:
         With ``return_outputs`` the last stage's rank gets the model outputs per microbatch.
         """
         self._check_open()
-        for st in self.stages:
-            st.module.eval()
         try:
             result = self._run(self.eval_program, data_iter, train=False, keep_outputs=return_outputs)
             result.loss = self.consensus.eval_loss(self.stages[-1])
@@ -316,24 +311,27 @@ class PipelineEngine:
     # ------------------------------------------------------------------ interpreting the program
 
     def _run(self, program: list[Step], data_iter: Iterator[Any] | None, train: bool,
-             keep_outputs: bool) -> StepResult:
+             keep_outputs: bool, replay: bool = False) -> StepResult:
+        """``program`` on the step's data (``replay``: the last's again, no DP sync: update.py's [Note: non-finite])."""
         self.watch.context = f"position {self.position}, replica {self.replica}, step {self.step_count}"
         self.watch.doing = "reading the data"
         self.clock.start()
         for st in self.stages:
             st.reset()
-        data = (read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank, self.pieces)
-                if self.needs_data else ([], []))
-        state = StepState(train, keep_outputs, *data)
-        state.key = step_key(self.seed, self.step_count, train)
+            st.module.train(train)
+        data = self.step_data if replay and self.step_data else (
+            read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank, self.pieces)
+            if self.needs_data else ([], []))
+        self.step_data = data if train else None   # (kept until the step's decision: update.py)
+        state = StepState(train, keep_outputs, *data, key=step_key(self.seed, self.step_count, train))
         self.wire.begin_step(shape_table(state.inputs), self._ahead[train], train)   # [Note: ragged microbatches]
         # one low-precision copy per weight and step; the caller's RNG as it was (rng.py)
         with cast_cache_scope(self.device, self.precision), kept(generator_of(self.device)):
             for idx, step in enumerate(program):
-                if train and idx in self._arm_at:
+                if train and not replay and idx in self._arm_at:
                     self.grad_sync.arm(self._arm_at[idx])
                 self._execute(step, state)
-                if train and idx == self._last_backward:
+                if train and not replay and idx == self._last_backward:
                     self.grad_sync.start()
         self.watch.doing = "waiting for the step's sends"
         if self.topology.pp > 1:
@@ -347,6 +345,8 @@ class PipelineEngine:
         chunk = self._chunk_of.get(producer)
         if chunk is not None:
             return state.local.pop((Kind.F if kind is Kind.RECV_F else Kind.B, a.microbatch, chunk))
+        if kind is Kind.RECV_B and state.train and not state.expecting:   # a first wait for a gradient: when to post
+            state.expecting = self.consensus.expect(self.plan)           # the end's ([Note: the pipeline's sum])
         start = self.clock.mark()
         value = self.wire.take(kind, a.microbatch, a.chunk)
         self.clock.add(stage, Phase.WAIT, a.microbatch, start, self.clock.mark())

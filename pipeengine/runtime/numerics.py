@@ -63,7 +63,12 @@ class SignalVector:
         self.num_stages, self.num_params = num_stages, num_params
         self._flags = 1 + len(STOP_SIGNALS)
         self._norms = self._flags + 3 * num_stages
-        self.tensor = torch.zeros(self._norms + num_params, dtype=torch.float64, device=device)
+        self.tensor = torch.zeros(self.length(num_stages, num_params), dtype=torch.float64, device=device)
+
+    @staticmethod
+    def length(num_stages: int, num_params: int) -> int:
+        """The vector's length for a pipeline of ``num_stages`` stages and ``num_params`` parameter tensors."""
+        return 1 + len(STOP_SIGNALS) + 3 * num_stages + num_params
 
     def set_grad_sq(self, first: int, squares: torch.Tensor) -> None:
         """The squared norms of parameters ``first``, ``first + 1``, ... (in the model's order)."""

@@ -147,9 +147,11 @@ class Stage:
         self._part_params = per_layer if self.segmented else [self.params]
         self._recipes: list[dict[tuple[Any, ...], Recipe]] = [{} for _ in self._part_params]
         self._marks: list[dict[Any, int] | None] = [None] * len(self._part_params)   # AccumulateGrad node -> param
-        # this step's sums of (outputs, input gradients), one per tensor (the last stage's first flag comes from its
+        # while ``checking`` (a step replayed to find where it went non-finite: [Note: non-finite] in update.py), the
+        # step's sums of (outputs, input gradients), one per tensor (the last stage's first flag comes from its
         # losses, see step_sums): non-finite when one held a NaN or an inf (or its values added up beyond float32's
         # range, see _count_nonfinite)
+        self.checking = False
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def reset(self) -> None:
@@ -210,7 +212,7 @@ class Stage:
                 roots = tuple(floating(out))
         if not train:
             return None if self.is_last else out
-        if not self.is_last:   # (the last stage's flag comes from its losses, see step_sums)
+        if self.checking and not self.is_last:   # (the last stage's flag comes from its losses, see step_sums)
             self._count_nonfinite(0, roots)
         # the parts: each from its inputs (the stage's, or a cut's) to its roots (a cut's, or the stage's); a cut's
         # roots and inputs are the same storage, which lives on as long as a layer saved it ([Note: segments])
@@ -258,7 +260,8 @@ class Stage:
         result = self._root_grads(mb, parts[-1], grads)
         for k in reversed(range(len(parts))):
             result = self._backward_part(k, parts[k], result, split)
-        self._count_nonfinite(1, result)
+        if self.checking:
+            self._count_nonfinite(1, result)
         if not split:   # (split: the schedule has a W for this microbatch, even if B ran it fused)
             del self.saved[mb]
         return result

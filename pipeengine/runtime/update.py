@@ -15,6 +15,17 @@ divided by the step's microbatches over every replica, and the gradients and los
 the replicas (never averaged): the step is the mean over the global batch, as one process computes it,
 up to the order of the additions. At even dp this is the usual mean (dividing by dp x m, a power of
 two dp giving the same bits as the mean of the replicas' means).
+
+[Note: non-finite]
+A step's decision needs only its loss and gradient norm: non-finite, the step is skipped or stopped. Naming where it
+went non-finite (the first stage whose output, else the last whose input gradient, held a NaN or an inf) needs a
+sum per tensor each F and B passes on: a kernel and its bookkeeping on every action's critical path, for a step that
+comes once in a run if at all. So a step runs without them; one that stops (``on_nonfinite="stop"``) runs again
+first, its program from its own data (kept until the decision) with the same dropout masks (rng.py), every stage
+summing (stage.py) and no data-parallel sync (the origins come from each replica's own computation), and the
+origins of that run name the place. The parameters are not stepped either way. The replay assumes the step is
+reproducible: a first layer that changes its input in place, or non-deterministic kernels that make a NaN only now
+and then, could make it name another place or none (the message then says the loss function returned it).
 """
 
 from __future__ import annotations
@@ -70,7 +81,6 @@ class Update:
         back if the step is skipped."""
         e = self.engine
         for st in e.stages:
-            st.module.train()
             st.loss_scale = self.loss_scale.value
         if not self.grad_sync.prepare():
             e.optimizer.zero_grad(set_to_none=True)
@@ -91,6 +101,7 @@ class Update:
             self.zero.reduce_squares()
         riders = self.zero.got() if self.zero is not None else self.grad_sync.untouched()
         got = self._decide(result, riders)
+        e.step_data = None
         if result.skipped:
             self.skipped_steps += result.nonfinite
             e.local.restore_buffers(buffers)
@@ -113,7 +124,7 @@ class Update:
         the values of ``riders`` (device flags the host needs too), read with it."""
         e = self.engine
         decision = self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, e.stop_request, riders)
-        signals, origins = decision.signals, decision.origins
+        signals = decision.signals
         result.grad_norm = math.sqrt(signals.grad_sq)
         result.loss = decision.loss
         result.stop = stop_signal(decision.stops)
@@ -121,9 +132,23 @@ class Update:
         result.nonfinite = not (math.isfinite(result.loss) and (overflow or math.isfinite(result.grad_norm)))
         if result.nonfinite and e.on_nonfinite == "stop":
             raise NonFiniteError(nonfinite_message(
-                e.step_count, signals, result.loss, result.grad_norm, origins,
+                e.step_count, signals, result.loss, result.grad_norm, self._origins(),
                 lambda s, r: f"layers {e.plan.bounds[s]}..{e.plan.bounds[s + 1] - 1}, "
                              f"rank {e.topology.rank(e.schedule.placement(s)[0], r)}"))
         result.skipped = overflow or result.nonfinite
         self.loss_scale.update(overflow)
         return decision.riders
+
+    def _origins(self) -> list[float]:
+        """Each replica's origin of the step's non-finite values, from the step run again summing what every stage
+        passes on ([Note: non-finite])."""
+        e = self.engine
+        for st in e.stages:
+            st.checking = True
+        try:
+            e._run(e.program, None, train=True, keep_outputs=False, replay=True)
+            return self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, None).origins
+        finally:
+            e.step_data = None
+            for st in e.stages:
+                st.checking = False

@@ -171,6 +171,60 @@ def test_nan_in_one_microbatch_is_skipped_or_stops_naming_the_stage(world2: Worl
     assert stop[0]["out"] == stop[1]["out"]   # the same decision and words on every rank
 
 
+class _PoisonGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan") if Poison.on else grad
+
+
+class Poison(nn.Module):
+    """Identity whose backward passes NaN on while ``Poison.on`` (the worker's step 1, its replay too)."""
+
+    on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PoisonGrad.apply(x)
+
+
+def backward_nan_worker(rank: int, world: int) -> dict[str, Any]:
+    from pipeengine.runtime.engine import NonFiniteError, PipelineEngine
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Sequential(nn.Linear(6, 6), nn.Tanh()),
+              nn.Sequential(Poison(), nn.Linear(6, 6), nn.Tanh()), nn.Sequential(nn.Linear(6, 6), nn.Tanh())]
+    engine = PipelineEngine(layers, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), microbatches=3,
+                            partition=[0, 2, 4])
+    g = torch.Generator().manual_seed(1)
+    batches = [[(torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)) for _ in range(3)] for _ in range(2)]
+    engine.train_batch(iter(batches[0]))
+    summed = [[len(x) for x in st.sums] for st in engine.stages]   # a finite step sums nothing it passes on
+    before = [p.detach().clone() for p in engine.parameters]
+    Poison.on = True
+    try:
+        engine.train_batch(iter(batches[1]))
+        said = "no error"
+    except NonFiniteError as exc:
+        said = str(exc)
+    finally:
+        Poison.on = False
+    return {"said": said, "summed": summed, "data": engine.step_data,
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, engine.parameters))}
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_made_by_a_backward_is_named_by_the_steps_replay(world2: WorldPool) -> None:
+    """Steps run without a sum per tensor passed on; the one that stops runs again with them and names the stage
+    whose backward made the NaN (its forward and loss finite), on every rank, the parameters unchanged."""
+    for r in world2.run(backward_nan_worker, timeout=100):
+        assert r["said"].startswith("step 1: loss ") and "gradient norm nan: the forward was finite; the backward went "
+        assert ("the backward went non-finite first in stage 1 of replica 0 (layers 2..3, rank 1)") in r["said"], r
+        assert r["summed"] == [[0, 0]], r["summed"]
+        assert r["unchanged"] and r["data"] is None   # (the step's data is let go once the replay is done)
+
+
 @pytest.mark.timeout(120)
 def test_a_nan_in_one_replica_is_named_there_on_every_rank(world4: WorldPool) -> None:
     """Replica 1's data alone holds the NaN: every rank (rank 0's message is the one on screen) names replica 1's
