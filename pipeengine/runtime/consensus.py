@@ -79,10 +79,8 @@ class Consensus:
         return True
 
     def _receives(self, size: int) -> list[tuple[Any, torch.Tensor]]:
-        group = self.groups.pp_group
         parts = [torch.empty(size, dtype=torch.float64, device=self.device) for _ in self.pp_peers]
-        return [(group.recv([part], dist.get_group_rank(group, peer), SUM_TAG), part)   # (as the wire posts them)
-                for part, peer in zip(parts, self.pp_peers)]
+        return [(self._p2p(self.groups.pp_group.recv, part, peer), part) for part, peer in zip(parts, self.pp_peers)]
 
     def signals(self, stages: Sequence[Stage], plan: Plan, norm_skip: set[int], stop: int | None,
                 riders: torch.Tensor | None = None) -> Decision:
@@ -138,19 +136,20 @@ class Consensus:
             return mine
         if self.rank != self.root:
             total = torch.empty_like(mine)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, self.root, group, SUM_TAG),
-                                                dist.P2POp(dist.irecv, total, self.root, group, SUM_TAG)]):
+            for work in (self._p2p(group.send, mine, self.root), self._p2p(group.recv, total, self.root)):
                 self.wait(work, what, [self.root])
             return total
         early, self._early = self._early or self._receives(len(mine)), []
         for work, _ in early:
             self.wait(work, what, self.pp_peers)
-        parts = [part for _, part in early]
-        total = torch.stack([mine, *parts]).sum(0)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, total, peer, group, SUM_TAG)
-                                            for peer in self.pp_peers]):
+        total = torch.stack([mine, *(part for _, part in early)]).sum(0)
+        for work in [self._p2p(group.send, total, peer) for peer in self.pp_peers]:
             self.wait(work, what, self.pp_peers)
         return total
+
+    def _p2p(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int) -> Any:
+        """``op`` (the pp group's send or recv, started directly, as the wire does) of ``tensor`` with ``peer``."""
+        return op([tensor], dist.get_group_rank(self.groups.pp_group, peer), SUM_TAG)
 
     def _over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the replicas, on the device (the host reads it with the rest)."""
