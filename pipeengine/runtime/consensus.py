@@ -22,7 +22,7 @@ of every schedule here is position 0's), two otherwise. Gloo's all-reduce of a s
 messages after the last rank comes, each a waiting process to wake: on this 2-core machine, with the first of 4
 ranks 5 ms late, it took 3.4-5.6 ms to reach every rank, this 0.6-0.7 ms (2 ranks: 0.45-0.5 ms both). The sum is
 exact in any order (a slot holds one rank's value, or counts), so every rank gets the all-reduce's bits. The first
-position posts its receives early, when it first waits for a gradient (engine.py): Gloo moves a message only once
+position posts its receives early, with its first gradient's receive (engine.py): Gloo moves a message only once
 its receive is posted (wire.py's [Note: receives one step early]), and posted at the end they cost it a round trip
 after its last backward (pp 2, sleep stages: its sum took 0.35 ms, now 0.16). On NCCL, where a small all-reduce is
 one kernel, the pipeline keeps it.
@@ -70,13 +70,12 @@ class Consensus:
         self._params: dict[int, tuple[list[nn.Parameter], int, list[int]]] = {}   # stage -> _params_of
         self._early: list[tuple[Any, torch.Tensor]] = []   # the root's receives of the peers' vectors, posted ahead
 
-    def expect(self, plan: Plan) -> bool:
+    def expect(self, plan: Plan) -> None:
         """In a training step, before the rank first waits: the pipeline's first position posts its receives of the
         other positions' signal vectors, so each moves as soon as its rank is done ([Note: the pipeline's sum]); kept
-        while unused (a step that raised before its end). True (done)."""
+        while unused (a step that raised before its end)."""
         if self.rank == self.root and self.topology.pp > 1 and not self._pp_nccl and not self._early:
             self._early = self._receives(SignalVector.length(self.num_stages, sum(plan.param_counts)))
-        return True
 
     def _receives(self, size: int) -> list[tuple[Any, torch.Tensor]]:
         parts = [torch.empty(size, dtype=torch.float64, device=self.device) for _ in self.pp_peers]
@@ -105,7 +104,9 @@ class Consensus:
             vec.tensor = self._sum_over_pipeline(vec.tensor)
         parts = [vec.tensor]
         if self.topology.dp > 1:
-            parts.append(self._over_replicas(vec.replica_part(self.topology.dp, self.topology.replica_of(self.rank))))
+            part = vec.replica_part(self.topology.dp, self.topology.replica_of(self.rank),
+                                    origin=any(st.checking for st in stages))
+            parts.append(self._over_replicas(part))
         if riders is not None:
             parts.append(riders.double())
         values = self.watch.host_values(torch.cat(parts), "the end-of-step sum", self.pp_peers + self.dp_peers)

@@ -189,8 +189,9 @@ class PipelineEngine:
         self.program: list[Step] = self.schedule.programs[self.position]
         self.eval_program: list[Step] = eval_schedule.programs[self.position]
         self._ahead = {True: receives_ahead(self.program), False: receives_ahead(self.eval_program)}   # by train
-        backward = [i for i, st in enumerate(self.program) if st[0].kind in (Kind.B, Kind.W)]
-        self._last_backward = backward[-1] if backward else -1
+        self._last_backward = max((i for i, s in enumerate(self.program) if s[0].kind in (Kind.B, Kind.W)), default=-1)
+        # the first gradient's receive: the end-of-step sum's receives go with it ([Note: the pipeline's sum])
+        self._expect_at = next((i for i, st in enumerate(self.program) if Kind.RECV_B in (a.kind for a in st)), -1)
         # armed for the in-backward all-reduce only when it overlaps (grad_sync.py)
         self._arm_at = (final_gradients(self.program, [list(s.module.parameters()) for s in self.stages],
                                         lambda a: self.schedule.releases(self.position, a, self._split))
@@ -317,8 +318,7 @@ class PipelineEngine:
         self.watch.doing = "reading the data"
         self.clock.start()
         for st in self.stages:
-            st.reset()
-            st.module.train(train)
+            st.reset(train)
         data = self.step_data if replay and self.step_data else (
             read_microbatches(data_iter, self.microbatches, self.device, self.step_count, self.rank, self.pieces)
             if self.needs_data else ([], []))
@@ -328,6 +328,8 @@ class PipelineEngine:
         # one low-precision copy per weight and step; the caller's RNG as it was (rng.py)
         with cast_cache_scope(self.device, self.precision), kept(generator_of(self.device)):
             for idx, step in enumerate(program):
+                if train and idx == self._expect_at:
+                    self.consensus.expect(self.plan)
                 if train and not replay and idx in self._arm_at:
                     self.grad_sync.arm(self._arm_at[idx])
                 self._execute(step, state)
@@ -345,8 +347,6 @@ class PipelineEngine:
         chunk = self._chunk_of.get(producer)
         if chunk is not None:
             return state.local.pop((Kind.F if kind is Kind.RECV_F else Kind.B, a.microbatch, chunk))
-        if kind is Kind.RECV_B and state.train and not state.expecting:   # a first wait for a gradient: when to post
-            state.expecting = self.consensus.expect(self.plan)           # the end's ([Note: the pipeline's sum])
         start = self.clock.mark()
         value = self.wire.take(kind, a.microbatch, a.chunk)
         self.clock.add(stage, Phase.WAIT, a.microbatch, start, self.clock.mark())

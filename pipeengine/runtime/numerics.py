@@ -87,12 +87,15 @@ class SignalVector:
         start = self._flags + 3 * stage
         self.tensor[start:start + 3].add_(torch.isfinite(sums).logical_not_())
 
-    def replica_part(self, dp: int, replica: int) -> torch.Tensor:
+    def replica_part(self, dp: int, replica: int, origin: bool = True) -> torch.Tensor:
         """What the replicas sum, on the device (after the pipeline's sum): ``[loss, stop requests, origin
         per replica]``, this replica's :meth:`StepSignals.origin` in its own slot (no host read: the replicas'
-        all-reduce follows on the device, and the host reads both results at once)."""
+        all-reduce follows on the device, and the host reads both results at once); ``origin`` False: 0 there
+        (a step that sums nothing per tensor has no origin to tell: [Note: non-finite] in update.py)."""
         out = torch.zeros(self._flags + dp, dtype=torch.float64, device=self.tensor.device)
         out[:self._flags] = self.tensor[:self._flags]
+        if not origin:
+            return out
         flags = self.tensor[self._flags:self._norms]
         stage = constant(range(self.num_stages), torch.float64, self.tensor.device)
         first_out = torch.where(flags[0::3] > 0, stage, float(self.num_stages)).min()

@@ -38,4 +38,3 @@ class StepState:
     local: dict[tuple[Kind, int, int], Any] = field(default_factory=dict)  # pp = 1: stage output -> next stage
     computed: bool = True   # the last step run was a compute action (or none ran yet): see Wire.settle
     key: int = 0            # the step's random streams (rng.step_key)
-    expecting: bool = False   # the end-of-step sum's receives were posted (Consensus.expect)

@@ -154,7 +154,9 @@ class Stage:
         self.checking = False
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
-    def reset(self) -> None:
+    def reset(self, train: bool = True) -> None:
+        """Forget the last step's microbatches; the layers in train (or eval) mode for the next."""
+        self.module.train(train)
         for sums in self.sums:
             sums.clear()
         self.saved.clear()

@@ -100,8 +100,10 @@ class Update:
             self.zero.mark_stepped(p for mine, _, _ in e.ties.copies for p in mine)   # every copy has the tie's sum
             self.zero.reduce_squares()
         riders = self.zero.got() if self.zero is not None else self.grad_sync.untouched()
-        got = self._decide(result, riders)
-        e.step_data = None
+        try:
+            got = self._decide(result, riders)
+        finally:
+            e.step_data = None   # (kept for a replay: [Note: non-finite])
         if result.skipped:
             self.skipped_steps += result.nonfinite
             e.local.restore_buffers(buffers)
@@ -149,6 +151,5 @@ class Update:
             e._run(e.program, None, train=True, keep_outputs=False, replay=True)
             return self.consensus.signals(e.stages, e.plan, e.ties.norm_skip, None).origins
         finally:
-            e.step_data = None
             for st in e.stages:
                 st.checking = False

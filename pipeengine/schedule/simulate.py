@@ -338,13 +338,17 @@ class Dataflow:
         return [sum(n * d for cnt, (f, b, w) in zip(self.count[p], table[p]) for n, d in zip(cnt, (f, b, w, b + w)))
                 for p in range(self.schedule.pp)]
 
+    def _durations_and_hops(self, table: list[list[tuple[float, float, float]]],
+                            comm: float | Sequence[float]) -> tuple[list[float], list[float]]:
+        """Each slot's duration (slot ``(p * chunks + c) * 4 + kind``) and each boundary's transfer time."""
+        flat = [d for row in table for f, b, w in row for d in (f, b, w, b + w)]
+        return flat, [comm] * max(0, self.schedule.num_stages - 1) if isinstance(comm, (int, float)) else list(comm)
+
     def makespan(self, table: list[list[tuple[float, float, float]]], comm: float | Sequence[float] = 0.0) -> float:
         """``comm``: one transfer time for every boundary, or one per boundary (``comm[s]``: between stage s and
         s + 1, as :func:`~pipeengine.schedule.costs.boundary_comm` gives them)."""
-        flat = [d for row in table for f, b, w in row for d in (f, b, w, b + w)]   # slot (p * chunks + c) * 4 + kind
-        hop = [comm] * max(0, self.schedule.num_stages - 1) if isinstance(comm, (int, float)) else list(comm)
-        end = [0.0] * len(self._slots)
-        clock = [0.0] * self.schedule.pp
+        flat, hop = self._durations_and_hops(table, comm)
+        end, clock = [0.0] * len(self._slots), [0.0] * self.schedule.pp
         for i, (p, slot, dep, crossing) in enumerate(self._slots):
             t = clock[p]
             if dep >= 0:
@@ -362,10 +366,8 @@ class Dataflow:
         want): at any moment the ``n`` positions computing each progress at ``min(1, capacity / n)`` of their
         speed, so a fill with one stage busy runs at full speed and a steady state with every stage busy at the
         cores' share. ``sizes``: each microbatch's size relative to the one ``table`` describes."""
-        flat = [d for row in table for f, b, w in row for d in (f, b, w, b + w)]
-        hop = [comm] * max(0, self.schedule.num_stages - 1) if isinstance(comm, (int, float)) else list(comm)
-        queues = [collections.deque(i for i, s in enumerate(self._slots) if s[0] == p)
-                  for p in range(self.schedule.pp)]
+        flat, hop = self._durations_and_hops(table, comm)
+        queues = [collections.deque(i for i, s in enumerate(self._slots) if s[0] == p) for p in range(self.schedule.pp)]
         end: list[float | None] = [None] * len(self._slots)
         running: dict[int, list[float]] = {}   # position -> [action, work left]
         now = 0.0

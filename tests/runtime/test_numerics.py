@@ -48,6 +48,7 @@ def test_the_replicas_part_carries_the_origin_the_host_would_compute(outputs: tu
     part = vec.replica_part(3, 1).tolist()
     origin = vec.decode(vec.tensor.tolist()).origin()
     assert part == [1.25, 0.0, 1.0, 0.0, 0.0, float(origin), 0.0], (part, origin)
+    assert vec.replica_part(3, 1, origin=False).tolist() == [1.25, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]   # (not asked for)
 
 
 def test_signal_vector_decodes_what_each_stage_added() -> None:
