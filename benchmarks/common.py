@@ -93,6 +93,16 @@ def timed_steps(run_step: Callable[[], Any], steps: int) -> list[float]:
     return times
 
 
+def timed_run(run_step: Callable[[], Any], steps: int) -> float:
+    """Seconds of ``steps`` calls of ``run_step`` one after the other, between two barriers (all ranks take part)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run_step()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
 def mean_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
     """The synthetic models' loss: the output's mean (targets unused)."""
     return out.float().mean()
@@ -131,7 +141,7 @@ def efficiency_table(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         def f(key: str, fmt: str = "{:.3f}") -> str:
-            return fmt.format(r[key]) if key in r else "n/a"
+            return _or_na(r, key, fmt)
         lines.append(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['ideal_s']:.3f} | "
                      f"{f('ours_median_s')} | {f('ours_efficiency')} | {f('ours_efficiency_vs_measured_costs')} | "
                      f"{f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
@@ -142,12 +152,24 @@ def efficiency_table(rows: list[dict[str, Any]]) -> str:
                   "|---|---|---|---|---|"]
         lines += [f"| {name} | {pp} | {engine} | {1e3 * slope:.3f} | {1e3 * icept:.2f} |"
                   for (name, pp, engine), (slope, icept) in fits.items()]
+    if any("ratio_ours_over_torch_back_to_back" in r for r in rows):   # --back-to-back
+        lines += ["", "| schedule | pp | m | ours back to back (s per step) | torch | torch + training loop | "
+                  "ours/torch back to back | ours/torch training back to back |", "|---" * 8 + "|"]
+        lines += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['ours_back_to_back_s']:.4f} | "
+                  f"{r['torch_back_to_back_s']:.4f} | {_or_na(r, 'torch-train_back_to_back_s', '{:.4f}')} | "
+                  f"{r['ratio_ours_over_torch_back_to_back']:.2f}x | "
+                  f"{_or_na(r, 'ratio_ours_over_torch_training_back_to_back', '{:.2f}x')} |"
+                  for r in rows if "ratio_ours_over_torch_back_to_back" in r]
     if any("ratio_ours_over_torch_training" in r for r in rows):   # --engines ... torch-train
         lines += ["", "| schedule | pp | m | torch step() + training loop (s) | ours/torch training step |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['torch-train_median_s']:.3f} | "
                   f"{r['ratio_ours_over_torch_training']:.2f}x |" for r in rows if "torch-train_median_s" in r]
     return "\n".join(lines)
+
+
+def _or_na(row: dict[str, Any], key: str, fmt: str) -> str:
+    return fmt.format(row[key]) if key in row else "n/a"
 
 
 def excess_fits(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], tuple[float, float]]:

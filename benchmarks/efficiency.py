@@ -15,7 +15,10 @@ ideal / measured, overhead per compute action, peak stored activations per stage
 throughput ratio ours / torch.distributed.pipelining. Engines alternate (ours, theirs, ours, ...).
 ``--engines ours torch torch-train`` adds torch's step() followed by what a training loop adds to it
 and ours does inside its step (the grad-norm all-reduce, the optimizer step, zero_grad), and the ratio
-of training steps.
+of training steps. Each step is timed between barriers, so a step's end counts in full (the decision
+that ends ours: every rank waits for the first position's last backward); ``--back-to-back`` also
+times the steps one after the other, as a training loop runs them (a step's end then overlaps the next
+step's fill), and gives those ratios too.
 
 Real mode (2 processes): an MLP whose step takes about a second on one thread, run unsplit with
 gradient accumulation on rank 0 and as pp=2 1F1B on both ranks, same global batch and microbatches;
@@ -38,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.common import (append_jsonl, describe_real, efficiency_table, finish_and_exit, init_from_env,
-                               mean_loss, timed_steps)
+                               mean_loss, timed_run, timed_steps)
 from benchmarks.sleep_stages import sleep_layers
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.topology import Topology
@@ -115,7 +118,7 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
 
 
 def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int], steps: int,
-               warmup: int, engines: list[str]) -> dict[str, Any] | None:
+               warmup: int, engines: list[str], back_to_back: bool = False) -> dict[str, Any] | None:
     v = default_chunks(name)
     runners: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
@@ -128,10 +131,13 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
             errors[e] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             runners.pop(e, None)
     times: dict[str, list[float]] = {e: [] for e in runners}
+    runs: dict[str, list[float]] = {e: [] for e in runners}   # --back-to-back: seconds of each run of steps
     half = max(1, steps // 2)
     for rnd in range(2):   # alternate engines so machine noise hits both
         for e in runners:
             times[e] += timed_steps(runners[e]["step"], half if rnd == 0 else steps - half)
+            if back_to_back:
+                runs[e].append(timed_run(runners[e]["step"], half if rnd == 0 else steps - half))
     sched = runners["ours"]["engine"].schedule if "ours" in runners else None
     peaks = runners["ours"]["peaks"] if "ours" in runners else {}
     durations = runners["ours"]["durations"] if "ours" in runners else {}
@@ -160,8 +166,16 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
                                      for c in per_rank]
         row["ideal_measured_costs_s"] = simulate(sched, per_rank).makespan
         row["ours_efficiency_vs_measured_costs"] = row["ideal_measured_costs_s"] / row["ours_median_s"]
+    for e, ts in runs.items():   # a training loop's pace: no barrier between the steps, a step's end overlaps the next
+        if ts:
+            row[f"{e}_back_to_back_s"] = sum(ts) / steps
     if "ours" in times and "torch" in times:
         row["ratio_ours_over_torch"] = row["torch_median_s"] / row["ours_median_s"]
+        if back_to_back:
+            row["ratio_ours_over_torch_back_to_back"] = row["torch_back_to_back_s"] / row["ours_back_to_back_s"]
+    if back_to_back and "ours" in times and "torch-train" in times:
+        row["ratio_ours_over_torch_training_back_to_back"] = (row["torch-train_back_to_back_s"]
+                                                              / row["ours_back_to_back_s"])
     if "ours" in times and "torch-train" in times:
         row["ratio_ours_over_torch_training"] = row["torch-train_median_s"] / row["ours_median_s"]
     return row
@@ -265,6 +279,9 @@ def main() -> None:
     p.add_argument("--engines", nargs="+", default=["ours", "torch"], choices=["ours", "torch", "torch-train"],
                    help="torch: its schedule's step(); torch-train: step() plus what a training loop adds (the "
                         "grad-norm all-reduce, the optimizer step, zero_grad), as ours does in its step")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="also time the steps one after the other, without a barrier between them (a training "
+                        "loop's pace: a step's end overlaps the next one's start), and the ratio of those")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
     p.add_argument("--real", action="store_true", help="real-compute pp=2 speedup mode (2 processes)")
     p.add_argument("--hidden", type=int, default=1024)
@@ -284,7 +301,7 @@ def main() -> None:
         for name in args.schedules:
             for m in args.microbatches:
                 row = run_config(name, dist.get_world_size(), m, (args.tf, args.tb, args.tw), act, args.steps,
-                                 args.warmup, args.engines)
+                                 args.warmup, args.engines, args.back_to_back)
                 if row:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
