@@ -361,7 +361,7 @@ def test_a_node_that_never_comes_and_a_killed_output_filter_are_said(tmp_path: P
     with an empty message); the output filter (quiet.awk) killed under a running job: said, with torchrun's own
     exit status, not a bare 137."""
     job = start_pipe_sh_job(tmp_path / "job", 1, "--model", "mlp", "--steps", "30")   # runs while the other waits
-    awk = next(pid for pid in _descendants(job.pid) if b"quiet.awk" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    awk = _descendant(job.pid, b"quiet.awk")
     os.kill(awk, signal.SIGKILL)
     port = str(free_port())
     alone = pipe_sh("1", "cpus", "--model", "mlp", "--steps", "2", "--log-dir", str(tmp_path), cwd=tmp_path,
@@ -376,11 +376,16 @@ def test_a_node_that_never_comes_and_a_killed_output_filter_are_said(tmp_path: P
     assert job.returncode != 137 and f"torchrun exited {job.returncode}" in err, (job.returncode, err)
 
 
-def _descendants(root: int) -> list[int]:
-    """The processes below ``root`` once it has started some (pipe.sh, then torchrun and the filter)."""
-    for _ in range(100):
-        found = process_tree(root)
-        if len(found) > 2:
-            return sorted(found - {root})
+def _descendant(root: int, name: bytes, timeout: float = 60.0) -> int:
+    """The first process below ``root`` whose command line holds ``name``, once it has started (pipe.sh starts
+    torchrun and the filter after its own checks: on a loaded machine that takes seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in sorted(process_tree(root) - {root}):
+            try:
+                if name in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:   # (gone meanwhile)
+                pass
         time.sleep(0.05)
-    return []
+    raise AssertionError(f"no process with {name!r} in its command line below {root} after {timeout:.0f} s")
