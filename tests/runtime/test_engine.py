@@ -254,3 +254,60 @@ def test_a_dataloader_iterator_kept_across_steps_gives_each_step_its_microbatche
         world2) -> None:
     for losses in world2.run(_loader_steps):
         assert losses[:3] == losses[3:], losses
+
+
+class _Probe(torch.nn.Module):
+    """A linear layer that records the mode of each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.training)
+        return self.lin(x)
+
+
+class _FrozenNorm(torch.nn.Module):
+    """The usual way to freeze a BatchNorm: ``train()`` puts it back in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def train(self, mode: bool = True) -> _FrozenNorm:
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x)
+
+
+def test_layers_train_in_train_mode_evaluate_in_eval_mode_and_keep_modes_the_user_set(
+        one_process_group: None) -> None:
+    """Training steps run in train mode, eval steps in eval mode. A layer whose ``train()`` keeps its BatchNorm
+    frozen is frozen from the first step, and a BatchNorm the user put in eval mode between steps stays there,
+    through training steps and after an eval step."""
+    from pipeengine import PipelineEngine, Topology
+    probe, frozen, norm = _Probe(), _FrozenNorm(), torch.nn.BatchNorm1d(4)
+    engine = PipelineEngine([probe, frozen, norm, torch.nn.Linear(4, 4)], torch.nn.functional.mse_loss,
+                            lambda ps: torch.optim.SGD(ps, lr=0.1), topology=Topology(1), microbatches=2,
+                            partition="uniform")
+    data = [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(2)]
+
+    def train() -> torch.Tensor:
+        engine.train_batch(iter(data))
+        return norm.running_mean.clone()
+
+    moved = train()
+    assert probe.seen == [True, True] and not frozen.bn.training and torch.equal(frozen.bn.running_mean, torch.zeros(4))
+    assert not torch.equal(moved, torch.zeros(4))   # the user's own BatchNorm trained
+    norm.eval()
+    assert torch.equal(train(), moved) and probe.seen[-1]   # frozen by the user: statistics kept
+    engine.eval_batch(iter(data))
+    assert probe.seen[-2:] == [False, False]
+    assert torch.equal(train(), moved) and probe.seen[-2:] == [True, True] and not norm.training
+    assert torch.equal(frozen.bn.running_mean, torch.zeros(4)) and not frozen.bn.training
+    engine.close()
