@@ -137,8 +137,9 @@ class Stage:
         self.losses: list[torch.Tensor] = []   # each microbatch's, not yet divided (loss_terms)
         self._seed: tuple[Any, torch.Tensor] | None = None   # the loss's gradient, made once (_root_grads)
         self.outputs: dict[int, Any] = {}     # last stage, eval with return_outputs
-        self._modes: list[tuple[torch.nn.Module, bool]] | None = None   # each module's own mode, kept during eval steps
-        self._trained = False   # a training step ran (reset)
+        # what the next training step gives the modules back: None before the first (it sets train mode), [] while
+        # training, each module's own mode during eval steps (reset)
+        self._back: list[tuple[torch.nn.Module, bool]] | None = None
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
         self._anchor = torch.empty(0, requires_grad=True)   # what the stage's inputs hang from (_Arrival)
         # per part: its parameters and, once split, their AccumulateGrad nodes. See [Note: segments]
@@ -162,17 +163,17 @@ class Stage:
         each module gets back the mode it had (a layer the user put in eval mode stays there). Nothing is set
         between two training steps: the walk over every module cost 0.13 ms a step on GPT small, 0.3 ms on
         ResNet-50."""
-        if not train:
-            if self._modes is None:
-                self._modes = [(m, m.training) for m in self.module.modules()]
-                self.module.eval()
-        elif self._modes is not None and self._trained:
-            for m, mode in self._modes:
-                m.training = mode
-        elif not self._trained:   # (also back from an eval step before the first training step)
-            self.module.train(True)
         if train:
-            self._modes, self._trained = None, True
+            if self._back is None:
+                self.module.train(True)
+            for m, mode in self._back or ():
+                m.training = mode
+            self._back = []
+        elif self._back == []:   # from training: each module's mode kept for the next training step
+            self._back = [(m, m.training) for m in self.module.modules()]
+            self.module.eval()
+        elif self._back is None:   # before the first training step (which sets train mode)
+            self.module.eval()
         for sums in self.sums:
             sums.clear()
         self.saved.clear()

@@ -219,7 +219,7 @@ def test_a_nan_made_by_a_backward_is_named_by_the_steps_replay(world2: WorldPool
     """Steps run without a sum per tensor passed on; the one that stops runs again with them and names the stage
     whose backward made the NaN (its forward and loss finite), on every rank, the parameters unchanged."""
     for r in world2.run(backward_nan_worker, timeout=100):
-        assert r["said"].startswith("step 1: loss ") and "gradient norm nan: the forward was finite; the backward went "
+        assert r["said"].startswith("step 1: loss ") and "gradient norm nan: the forward was finite" in r["said"], r
         assert ("the backward went non-finite first in stage 1 of replica 0 (layers 2..3, rank 1)") in r["said"], r
         assert r["summed"] == [[0, 0]], r["summed"]
         assert r["unchanged"] and r["data"] is None   # (the step's data is let go once the replay is done)
