@@ -62,7 +62,7 @@ def profile_worker(rank: int, world: int) -> list[Any]:
                                 memory_cap=cap, wire="strict")
         choice = engine.plan.choice
         assert choice is not None
-        out.append((engine.bounds, choice.stage_costs, choice.describe("1f1b")))
+        out.append((engine.bounds, choice.stage_costs, choice.describe("1f1b"), choice.kept_equal))
         before = [p.detach().clone() for p in engine.parameters]
         engine.train_batch(iter([sample] * 4))   # it trains on the split it chose
         assert any(not torch.equal(a, p) for a, p in zip(before, engine.parameters))
@@ -93,14 +93,17 @@ def profile_worker(rank: int, world: int) -> list[Any]:
 def test_profile_partition_measures_in_parallel_and_every_rank_agrees(world2: WorldPool) -> None:
     results = world2.run(profile_worker, timeout=110)
     assert results[0][:2] == results[1][:2]   # bounds, costs and text: rank 0's, on every rank
-    (bounds, stage_costs, text), (capped, _, _) = results[0][:2]
+    (bounds, stage_costs, text, _), (capped, _, _, kept) = results[0][:2]
     assert bounds == [0, 5, 6], text
     # F; the fused backward (1f1b), where layer 0's input needs no gradient: its input path costs nothing. At least
     # the layers' sleeps (a loaded machine only adds to them: how close they come is a benchmark's business)
     for (f, b, w), want in zip(stage_costs, ((20 * MS, 36 * MS), (20 * MS, 40 * MS))):
         assert want[0] <= f and want[1] <= b + w, stage_costs
     assert "partition profile: bounds [0, 5, 6]" in text and "stage 1: layers 5..5" in text and "backward" in text
-    assert capped == [0, 4, 6]   # 5 layers of 1 MiB parameters (x4 with grads and Adam) no longer fit
+    # 5 layers of 1 MiB parameters (x4 with grads and Adam) no longer fit: [0, 4, 6], 72 ms a microbatch against the
+    # equal split's 84, unless the machine is so loaded that the profile's own spread exceeds that 14% gain (seen
+    # under a parallel test run): then the equal split is kept, and said why
+    assert capped == [0, 4, 6] or (capped == [0, 3, 6] and "[0, 4, 6] was predicted" in kept), (capped, kept)
     assert all("needs sample=(inputs, target)" in r for r in results[0][2:4])
     assert "fits the memory cap of 0.00 GiB" in results[0][4] and results[0][4] == results[1][4]
     assert results[0][5] == results[1][5] and results[0][5].startswith("profiling layers 0..2 on rank 0 failed")
