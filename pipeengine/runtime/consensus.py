@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .device import constant, nccl
+from .device import constant, hand_over, nccl
 from .faults import Watch
 from .numerics import SignalVector, StepSignals
 from .plan import Plan
@@ -146,6 +146,7 @@ class Consensus:
         total = torch.stack([mine, *(part for _, part in early)]).sum(0)
         for work in [self._p2p(group.send, total, peer) for peer in self.pp_peers]:
             self.wait(work, what, self.pp_peers)
+        hand_over()   # to the peers, woken on this core ([Note: a send hands its core over] in device.py)
         return total
 
     def _p2p(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int) -> Any:

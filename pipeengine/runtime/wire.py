@@ -6,16 +6,16 @@ Every transfer is one comm action of the rank's validated program, posted in pro
 the wire (but one void message after a shape changed, [Note: the first payload with its header]). A forward stream
 (what one stage sends the next in one train or eval step) starts with an explicit header action ``sendH``/``recvH``
 that the lowering puts in a step of its own before the stream's first payload (schedule/lower.py). A header step
-completes before the rank goes on, as the validator's rendezvous semantics assume of every step, so a payload
-receive is posted with known (or expected, then checked) shapes and no receive is deferred (the header is the one
-transfer the host reads: once per stream and step). Gradients need no header: they have the shapes of what this rank
-sent. The header's format, and how it carries each microbatch's shapes: header.py.
+completes before the rank goes on, as the validator's rendezvous semantics assume of every step, so a payload receive
+is posted with known (or expected, then checked) shapes and no receive is deferred (the header is the one transfer
+the host reads: once per stream and step). Gradients need no header: they have the shapes of what this rank sent.
+The header's format, and how it carries each microbatch's shapes: header.py.
 
 [Note: boundary dtype]
-With ``boundary`` (``--boundary-dtype bf16``) every fp32 tensor crosses the wire as bf16, activations
-and their gradients alike, and is fp32 again on the other side: half the traffic of an fp32 residual
-stream. The header still announces fp32 (both sides agree on the setting), so nothing else changes;
-the rounding at the boundary is the price: results then depend on where the model is split.
+With ``boundary`` (``--boundary-dtype bf16``) every fp32 tensor crosses the wire as bf16, activations and their
+gradients alike, and is fp32 again on the other side: half the traffic of an fp32 residual stream. The header still
+announces fp32 (both sides agree on the setting), so nothing else changes; the rounding at the boundary is the
+price: results then depend on where the model is split.
 
 [Note: modes]
 ``tags`` (Gloo default): tensor ``i`` of transfer ``t = 3 * (microbatch * stages + producer) + direction`` has tag
@@ -32,8 +32,7 @@ processes), so a receive posted with the step before is usually complete when th
 where posted with its own step the rank would wait that long every time (1F1B's last stage after each B, its first
 after each F). Each receive keeps its own tag and its program order number, so nothing can match it but its own
 send, no wait comes sooner than in the program, and a send still completes no later; strict mode and NCCL post
-exactly the program (their per-peer order is the proof's). The price is one comm step's receive buffers held a
-little longer.
+exactly the program (their per-peer order is the proof's). The price: one comm step's receive buffers held longer.
 
 [Note: the first payload with its header]
 A stream's header and its first payload would be two rendezvous in a row on the step's critical path (the fill: each
@@ -66,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Action, Kind, Step
-from .device import nccl
+from .device import hand_over, nccl
 from .faults import Watch, WaitTimeout, watch
 from .header import Table, TensorMeta, Tensors, decode_header, describe, encode_header, flatten, follow, header_length
 
@@ -124,8 +123,7 @@ class Wire:
                  group: Any = None, watcher: Watch | None = None, boundary: torch.dtype | None = None) -> None:
         if mode not in ("tags", "strict"):
             raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
-        if coalesce is None:
-            coalesce = nccl(group)
+        coalesce = nccl(group) if coalesce is None else coalesce
         top = (3 * microbatches * num_stages) * 16
         if mode == "tags" and not coalesce and top > MAX_TAG:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need tags up to {top}, beyond "
@@ -313,6 +311,8 @@ class Wire:
                 self._group_rank[tr.rank] = dist.get_group_rank(self._pg, tr.rank)
             fn = self._pg.send if tr.action.kind.is_send else self._pg.recv
             tr.works.append(fn([t], self._group_rank[tr.rank], tag))
+        if any(tr.action.kind.is_send for tr, _, _ in ops):
+            hand_over()   # to the receiver, woken on this core: [Note: a send hands its core over] in device.py
 
     def _transfer(self, a: Action, seq: int, moved: bool = False) -> _Transfer:
         """The transfer of comm action ``a``, its buffers made (a receive) or taken (a send), and registered."""
