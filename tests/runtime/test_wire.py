@@ -42,6 +42,39 @@ def test_tag_space_overflow_is_an_error_not_a_wrap() -> None:
     Wire(torch.device("cpu"), lambda p: p, lambda c: c, 64, 6000, mode="strict", coalesce=False)  # one tag
 
 
+def test_a_gloo_step_that_sends_hands_the_core_over_and_one_that_only_receives_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: a send hands its core over] in device.py: after the sends of a comm step are started, the sender yields
+    (once per step); a step of receives alone keeps the core."""
+    import pipeengine.runtime.wire as wire_module
+
+    class Group:   # the process group's send and recv, started and recorded
+        def __init__(self) -> None:
+            self.ops: list[str] = []
+
+        def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+            self.ops.append("send")
+
+        def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+            self.ops.append("recv")
+    yields: list[list[str]] = []
+    group = Group()
+    monkeypatch.setattr(wire_module, "hand_over", lambda: yields.append(list(group.ops)))
+
+    class Watch:   # every wait already complete
+        def wait(self, *args: Any, **kwargs: Any) -> None:
+            pass
+    wire = Wire(torch.device("cpu"), lambda p: p, lambda c: 0, 2, 4, mode="tags", coalesce=False,
+                watcher=Watch())  # type: ignore[arg-type]
+    wire._pg, wire._group_rank = group, {1: 1}
+    wire.put(Kind.F, 0, 0, torch.zeros(2))
+    wire.post((A("sendH0>1"),))
+    wire.post((A("sendF0>1"), A("recvB0<1")))
+    wire.post((A("recvB1<1"),))
+    assert group.ops == ["send", "send", "recv", "recv"]
+    assert yields == [["send"], ["send", "send", "recv"]]   # after each step's sends started, not after receives
+
+
 @pytest.mark.parametrize("mode", ["tags", "strict", "coalesced"])
 def test_settle_waits_for_gloo_sends_only_after_a_compute_and_for_strict_modes_last_step_always(mode: str) -> None:
     """Sends of comm steps with no compute between them are held together, as one batch would hold them."""
