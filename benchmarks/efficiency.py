@@ -54,12 +54,13 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "
          "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
-def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int]) -> dict[str, Any]:
+def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int],
+         static: bool = False) -> dict[str, Any]:
     v = default_chunks(name)
     layers = sleep_layers(pp * v, *(x / v for x in t))
     engine = PipelineEngine(layers, mean_loss, lambda ps: torch.optim.SGD(ps, lr=0.0), topology=Topology(pp, 1),
                             schedule=name, microbatches=m, chunks=v, partition=list(range(pp * v + 1)),
-                            costs=Costs(*(x / v for x in t)))
+                            costs=Costs(*(x / v for x in t)), static_shapes=static)
     x = torch.randn(*act)
     peaks: dict[int, int] = {}
     durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}   # this rank's action times (B: split ones)
@@ -118,13 +119,15 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
 
 
 def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int], steps: int,
-               warmup: int, engines: list[str], back_to_back: bool = False) -> dict[str, Any] | None:
+               warmup: int, engines: list[str], back_to_back: bool = False, static: bool = False
+               ) -> dict[str, Any] | None:
     v = default_chunks(name)
     runners: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     for e in engines:
         try:
-            runners[e] = ours(name, pp, m, t, act) if e == "ours" else theirs(name, pp, m, t, act, e == "torch-train")
+            runners[e] = (ours(name, pp, m, t, act, static) if e == "ours"
+                          else theirs(name, pp, m, t, act, e == "torch-train"))
             for _ in range(warmup):
                 runners[e]["step"]()
         except Exception as exc:  # report, do not abort the sweep (e.g. an unsupported schedule)
@@ -148,7 +151,8 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     costs = Costs(*(x / v for x in t))
     ideal = simulate(sched, costs).makespan if sched is not None else float("nan")
     row: dict[str, Any] = {"schedule": name, "pp": pp, "microbatches": m, "chunks": v, "tf": t[0], "tb": t[1],
-                           "tw": t[2], "act": list(act), "steps": steps, "ideal_s": ideal, "errors": errors}
+                           "tw": t[2], "act": list(act), "steps": steps, "ideal_s": ideal, "errors": errors,
+                           "ours_static_shapes": static}
     actions_per_rank = m * v * 2 + (len(sched.split_backwards()) // pp if sched is not None else 0)
     for e, ts in times.items():
         med = statistics.median(ts)
@@ -282,6 +286,8 @@ def main() -> None:
     p.add_argument("--back-to-back", action="store_true",
                    help="also time the steps one after the other, without a barrier between them (a training "
                         "loop's pace: a step's end overlaps the next one's start), and the ratio of those")
+    p.add_argument("--static-shapes", action="store_true",
+                   help="ours with static training shapes (no shape header after the first step), as torch's are")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
     p.add_argument("--real", action="store_true", help="real-compute pp=2 speedup mode (2 processes)")
     p.add_argument("--hidden", type=int, default=1024)
@@ -301,7 +307,7 @@ def main() -> None:
         for name in args.schedules:
             for m in args.microbatches:
                 row = run_config(name, dist.get_world_size(), m, (args.tf, args.tb, args.tw), act, args.steps,
-                                 args.warmup, args.engines, args.back_to_back)
+                                 args.warmup, args.engines, args.back_to_back, args.static_shapes)
                 if row:
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -3,9 +3,8 @@
 The engine knows no schedule. It takes a :class:`~pipeengine.runtime.plan.Plan` (or makes one:
 plan.py) and interprets its own position's program step by step: a compute step runs F, B or W on
 one of its stages (stage.py), a comm step goes to the wire as it is (wire.py). 1F1B, GPipe,
-interleaved and zero-bubble differ only in data.
-
-The end of a training step (gradient sync, the decision to step or skip) is update.py's.
+interleaved and zero-bubble differ only in data. The end of a training step (gradient sync, the decision to step
+or skip) is update.py's.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from .chain import LayerChain
 from .stage import DTYPES, Stage, cast_cache_scope
 from .state import EngineState, TensorInfo
 from .topology import Topology
-from .wire import Wire, receives_ahead
+from .transfer import receives_ahead
+from .wire import Wire
 from .update import Update
 
 __all__ = ["PipelineEngine", "StepResult", "NonFiniteError"]
@@ -66,6 +66,8 @@ class PipelineEngine:
         precision: "fp32", "bf16" (autocast, bf16 activations between stages, fp32 parameters,
             gradients and optimizer state) or "fp16" (the same with a dynamic loss scale, CUDA only).
         wire: "tags" (Gloo default) or "strict" (NCCL's per-peer order emulated on Gloo), see wire.py.
+        static_shapes: training steps keep the first one's shapes, and no header goes between stages after it
+            ([Note: static training shapes] in wire.py; a changed shape is refused).
         boundary_dtype: "fp32" or "bf16": fp32 activations and gradients cross between stages as bf16 (half the
             traffic; results then depend on the split), see [Note: boundary dtype] in wire.py.
         timeout: seconds any wait may take (None: 600 s until a step was timed, then max(60 s, 20 x the median
@@ -98,7 +100,8 @@ class PipelineEngine:
                  wire: str = "tags", on_nonfinite: str = "stop", overlap_grad_sync: bool | None = None,
                  shard_optimizer: bool = False, boundary_dtype: str = "fp32", link_gbps: float | None = None,
                  microbatch_sizes: Sequence[float] | None = None, memory_budget: float | None = None,
-                 facts: Mapping[str, Any] | None = None, cut_microbatches: bool = True) -> None:
+                 facts: Mapping[str, Any] | None = None, cut_microbatches: bool = True,
+                 static_shapes: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs torch.distributed initialised first "
                                "(dist.init_process_group, or launch with torchrun / launch/pipe.sh)")
@@ -119,7 +122,7 @@ class PipelineEngine:
                    "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
                    "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
                    "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps,
-                   "memory_budget": memory_budget, "cut_microbatches": cut_microbatches},
+                   "memory_budget": memory_budget, "cut_microbatches": cut_microbatches, "static": static_shapes},
             links=links_for(self.topology, self.device, link_gbps), sizes=microbatch_sizes,
             memory_budget=memory_budget, facts=facts, selective=recompute == "selective", cut=cut_microbatches)
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)
@@ -129,8 +132,7 @@ class PipelineEngine:
         self.total_microbatches = sum(counts)            # (pieces) over every replica: a mean loss divides by it
         self.first_microbatch = sum(counts[:self.replica])   # this replica's first, counted over the step
         self._build(layers, tied, seed, recompute)
-        # a rank whose stages hold no parameters (ReLU, pooling) still has an optimizer for set_lr, schedulers and
-        # checkpoints: torch refuses an empty list, so the factory gets one zero-element placeholder, never stepped
+        # no parameters here (ReLU, pooling): an optimizer still, on a placeholder never stepped (torch refuses [])
         placeholder = [nn.Parameter(torch.empty(0, device=self.device))]
         self.optimizer: torch.optim.Optimizer = checked_optimizer(optimizer(self.parameters or placeholder))
         self.step_count = 0       # optimizer steps taken (restored from a checkpoint)
@@ -138,7 +140,7 @@ class PipelineEngine:
         u = self.update = Update(self, bucket_mb, overlap_grad_sync, shard_optimizer and self.topology.dp > 1)
         self.grad_sync, self.zero, self.consensus, self.loss_scale = u.grad_sync, u.zero, u.consensus, u.loss_scale
         self._buckets_of = [self.zero.buckets_of(s.module.parameters()) for s in self.stages] if self.zero else []
-        self._take_program(wire, eval_schedule, DTYPES[boundary_dtype])
+        self._take_program(eval_schedule, mode=wire, boundary=DTYPES[boundary_dtype], static=static_shapes)
         self.clock = ActionClock(self.rank, self.device, lambda event: self.watch.poll(event, "timing the step", []))
         self.needs_data = any(s.is_first or s.is_last for s in self.stages)
         self.step_data: tuple[list[Any], list[Any]] | None = None   # a training step's (inputs, targets) until its end
@@ -177,12 +179,12 @@ class PipelineEngine:
         self.stages, self.parameters, self.ties = self.local.stages, self.local.parameters, self.local.ties
         self.groups = self.local.groups
 
-    def _take_program(self, wire: str, eval_schedule: Schedule, boundary: torch.dtype | None) -> None:
-        """This position's programs and what interpreting them needs: the wire, where the gradients become final."""
+    def _take_program(self, eval_schedule: Schedule, **wire: Any) -> None:
+        """This position's programs and what interpreting them needs: the wire (``wire``: its options), where the
+        gradients become final."""
         self.wire = Wire(self.device, lambda q: self.topology.rank(q, self.replica),
                          lambda c: self.schedule.stage(self.position, c),
-                         self.plan.num_stages, self.schedule.microbatches, mode=wire, watcher=self.watch,
-                         boundary=boundary)
+                         self.plan.num_stages, self.schedule.microbatches, watcher=self.watch, **wire)
         self._chunk_of = {st.index: c for c, st in enumerate(self.stages)}   # this rank's stages, by chunk
         # (position, microbatch, chunk) whose B is followed by a W (none on a stage that runs B whole: recompute.py)
         self._split = self.schedule.split_backwards(whole={st.index for st in self.stages if st.selective})
@@ -200,9 +202,8 @@ class PipelineEngine:
     # ------------------------------------------------------------------ public API
 
     def close(self) -> None:
-        """Let go of torch.distributed (release.py): the fault watcher stopped (unless another open engine shares
-        it) and the references to process groups dropped, so ``dist.destroy_process_group()`` frees them while Python
-        runs. No step runs afterwards; later calls do nothing. ``with`` and an atexit hook call it too."""
+        """Let go of torch.distributed (release.py): the watcher stopped (unless an open engine shares it), the process
+        groups' references dropped (``dist.destroy_process_group()`` frees them); later calls do nothing (``with``)."""
         release(self)
 
     def __enter__(self) -> PipelineEngine:
@@ -230,8 +231,7 @@ class PipelineEngine:
         return {st.index: st.peak_stored for st in self.stages}
 
     def parameters_ready(self) -> None:
-        """Wait until the parameters hold the last step's update (ZeRO-1 gathers them in the background on
-        CUDA; the engine waits itself before it reads them)."""
+        """Wait until the parameters hold the last step's update (ZeRO-1 gathers them in the background on CUDA)."""
         if self.zero is not None:
             self.zero.ready()
 
@@ -280,10 +280,8 @@ class PipelineEngine:
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any] | None, return_outputs: bool = False) -> StepResult:
-        """Forward only over ``microbatches`` microbatches; global mean loss on every rank.
-
-        With ``return_outputs`` the last stage's rank gets the model outputs per microbatch.
-        """
+        """Forward only over ``microbatches`` microbatches; global mean loss on every rank. With ``return_outputs``
+        the last stage's rank gets the model outputs per microbatch."""
         self._check_open()
         try:
             result = self._run(self.eval_program, data_iter, train=False, keep_outputs=return_outputs)

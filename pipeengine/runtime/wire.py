@@ -45,6 +45,13 @@ sender sends a void message of the expected size where the payload was expected,
 send later than in the program, and the void buffer is released at the step's end. A stream whose shapes keep
 changing (ragged batches) stops guessing after a miss, until two steps agree again.
 
+[Note: static training shapes]
+With ``static`` (``--static-shapes``) training steps keep the first training step's shapes: after it no header goes
+on the wire in a training step (both ends skip the header steps and take the stream as it was), so the host no
+longer waits for each stream's header before it queues the stage's F (on CUDA: one host sync per stream and step).
+The sender refuses an output that changed, and the first stage microbatches of shapes of their own, with an error
+(every rank ends the step: faults.py). Eval steps keep their headers. Off by default: shapes may change otherwise.
+
 [Note: buffer lifetimes]
 A received buffer is handed over by ``take()`` and lives as long as the stage needs it. A sent tensor (the stage
 kept only its autograd node, see stage.py) is held until its send completed. Gloo's works report completion only
@@ -58,7 +65,6 @@ receives before sending this): they are waited on there without blocking. On NCC
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,43 +72,14 @@ import torch.distributed as dist
 
 from ..schedule import Action, Kind, Step
 from .device import hand_over, nccl
-from .faults import Watch, WaitTimeout, watch
+from .faults import Watch, watch
 from .header import Table, TensorMeta, Tensors, decode_header, describe, encode_header, flatten, follow, header_length
+from .transfer import Ahead, P2PTimeout, Transfer, posts_early
 
-__all__ = ["P2PTimeout", "Wire", "MAX_TAG", "receives_ahead", "posts_early"]
+__all__ = ["Wire", "MAX_TAG"]
 
 MAX_TAG = 2**24
-
-
-class P2PTimeout(WaitTimeout):
-    """A transfer did not complete in time; the message names the op, the peer, the wait and who waits on whom."""
-
-
-@dataclass
-class _Transfer:
-    action: Action
-    rank: int                                   # the other side's global rank (Action.peer is its position)
-    tensors: Tensors                            # send: what goes out; recv: the buffers
-    seq: int = 0                                # position in this step's posting (= link) order
-    works: list[Any] = field(default_factory=list)
-    done: bool = False
-    moved: bool = False                         # a first payload on tags of its own ([Note: the first payload ...])
-
-
-Ahead = tuple[tuple[int, Action], ...]   # a comm step's receives, each with its place in the step
-
-
-def receives_ahead(program: Sequence[Step]) -> list[Ahead]:
-    """Per comm step of ``program``, the payload receives of the next one with their places in it (none after the
-    last): what the step posts early in tags mode ([Note: receives one step early])."""
-    comm = [st for st in program if not st[0].kind.is_compute]
-    return [tuple((i, a) for i, a in enumerate(nxt) if a.kind in (Kind.RECV_F, Kind.RECV_B)) for nxt in comm[1:]] + [()]
-
-
-def posts_early(mode: str, coalesce: bool) -> bool:
-    """Whether a wire of ``mode`` posts a comm step's receives with the step before ([Note: receives one step
-    early]): in tags mode, not on NCCL."""
-    return mode == "tags" and not coalesce
+_HEADERS = (Kind.SEND_H, Kind.RECV_H)
 
 
 class Wire:
@@ -120,7 +97,8 @@ class Wire:
 
     def __init__(self, device: torch.device, global_rank: Callable[[int], int], stage_of: Callable[[int], int],
                  num_stages: int, microbatches: int, *, mode: str = "tags", coalesce: bool | None = None,
-                 group: Any = None, watcher: Watch | None = None, boundary: torch.dtype | None = None) -> None:
+                 group: Any = None, watcher: Watch | None = None, boundary: torch.dtype | None = None,
+                 static: bool = False) -> None:
         if mode not in ("tags", "strict"):
             raise ValueError(f"wire mode must be 'tags' or 'strict' (got {mode!r})")
         coalesce = nccl(group) if coalesce is None else coalesce
@@ -134,6 +112,7 @@ class Wire:
         self.mode, self.coalesce, self.group = mode, coalesce, group
         self.early = posts_early(mode, coalesce)   # [Note: receives one step early]
         self.boundary = boundary   # fp32 tensors travel as this dtype (and come back fp32): [Note: boundary dtype]
+        self.static = static       # training steps keep the first one's shapes: [Note: static training shapes]
         self.watch = watcher   # times every wait (faults.py); default: the process group's
         self.log: list[tuple[str, str, int, int, int]] | None = None   # (action, send|recv, peer, tag, bytes)
         self._pg: Any = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
@@ -149,18 +128,22 @@ class Wire:
         the data is read; elsewhere a header brings it, see [Note: ragged microbatches]); ``ahead``: the step's
         program's :func:`receives_ahead` (in tags mode they go one comm step early, see [Note: receives one step
         early]); ``train``: which kind of step, for [Note: the first payload with its header]."""
+        if self.static and train and table is not None:
+            raise ValueError(f"static training shapes (--static-shapes): the microbatches of this step have shapes of "
+                             f"their own ({', '.join(str(list(t)) for t in table)}); pad them to one shape or leave "
+                             f"static shapes off")
         self._table, self._train = table, train
         self._ahead = ahead if self.early else ()
         self._guessed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}   # producer stage -> the header expected
         self._missed: dict[int, tuple[bool, tuple[TensorMeta, ...]]] = {}    # stage -> what its receiver expected
-        self._void: list[_Transfer] = []                                      # receives a miss left unused
-        self.headers_due: list[_Transfer] = []                                # headers post() left to read_headers()
+        self._void: list[Transfer] = []                                      # receives a miss left unused
+        self.headers_due: list[Transfer] = []                                # headers post() left to read_headers()
         self._outgoing: dict[tuple[Kind, int, int], tuple[bool, Tensors]] = {}   # (F|B, mb, chunk)
-        self._incoming: dict[tuple[Kind, int, int], _Transfer] = {}              # (recvF|recvB, mb, chunk)
+        self._incoming: dict[tuple[Kind, int, int], Transfer] = {}              # (recvF|recvB, mb, chunk)
         self._sent: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}    # stage -> (mb, packed, metas)
         self._streams: dict[int, tuple[int, bool, tuple[TensorMeta, ...]]] = {}  # producer stage -> the same
-        self._sends: list[_Transfer] = []
-        self._last_step: list[_Transfer] = []
+        self._sends: list[Transfer] = []
+        self._last_step: list[Transfer] = []
         self._posted = 0                                                         # transfers posted so far
         self._steps = 0                                                          # comm steps posted so far
 
@@ -236,18 +219,18 @@ class Wire:
         with the next step's receives ([Note: receives one step early]); it waits only for a header step's header
         ([Note: the wire is the program]), and not yet with ``read_headers`` False: then :meth:`read_headers` does."""
         self.settle(after_compute)
-        transfers: list[_Transfer] = []
-        ops: list[tuple[_Transfer, torch.Tensor, int]] = []
+        transfers: list[Transfer] = []
+        ops: list[tuple[Transfer, torch.Tensor, int]] = []
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
         self._posted += len(step)
         for a in sorted(step, key=lambda x: not x.kind.is_send):
-            if (a.kind, a.microbatch, a.chunk) in self._incoming:
-                continue   # posted with the step before ([Note: receives one step early])
+            if (a.kind, a.microbatch, a.chunk) in self._incoming or (a.kind in _HEADERS and self._as_before(a)):
+                continue   # posted with the step before ([Note: receives one step early]), or a header not sent
             tr = self._transfer(a, seqs[a])
             transfers.append(tr)
             miss = self._missed.pop(self.stage_of(a.chunk), None) if a.kind is Kind.SEND_F else None
             if miss is not None:   # [Note: the first payload with its header]
-                void = _Transfer(a, tr.rank, self._buffers(miss[1]), tr.seq)
+                void = Transfer(a, tr.rank, self._buffers(miss[1]), tr.seq)
                 self._sends.append(void)
                 ops += self._ops(void)
                 tr.moved = True
@@ -294,7 +277,7 @@ class Wire:
         self._last_step = []   # (the completed sends are dropped by the next poll())
         return bool(pending)
 
-    def _issue(self, ops: list[tuple[_Transfer, torch.Tensor, int]]) -> None:
+    def _issue(self, ops: list[tuple[Transfer, torch.Tensor, int]]) -> None:
         if self.log is not None:
             self.log += [(str(tr.action), "send" if tr.action.kind.is_send else "recv", tr.rank, tag,
                           t.numel() * t.element_size()) for tr, t, tag in ops]
@@ -314,22 +297,37 @@ class Wire:
         if any(tr.action.kind.is_send for tr, _, _ in ops):
             hand_over()   # to the receiver, woken on this core: [Note: a send hands its core over] in device.py
 
-    def _transfer(self, a: Action, seq: int, moved: bool = False) -> _Transfer:
+    def _transfer(self, a: Action, seq: int, moved: bool = False) -> Transfer:
         """The transfer of comm action ``a``, its buffers made (a receive) or taken (a send), and registered."""
         tensors = self._send_tensors(a) if a.kind.is_send else self._recv_buffers(a)
-        tr = _Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors), seq,
-                       done=not tensors, moved=moved)
+        tr = Transfer(a, self.global_rank(a.peer), tuple(t.detach().contiguous() for t in tensors), seq,
+                      done=not tensors, moved=moved)
         if a.kind.is_send:
             self._sends.append(tr)
         elif a.kind is not Kind.RECV_H:
             self._incoming[(a.kind, a.microbatch, a.chunk)] = tr
         return tr
 
-    def _ops(self, tr: _Transfer) -> list[tuple[_Transfer, torch.Tensor, int]]:
+    def _ops(self, tr: Transfer) -> list[tuple[Transfer, torch.Tensor, int]]:
         base = self._tag(tr.action)
         if base is not None and tr.moved:
             base += 2 * 16 + 1   # the header's block (F: 0, H: 2), after the header's one tensor
         return [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
+
+    def _as_before(self, a: Action) -> bool:
+        """Whether header action ``a`` is left out, its stream taken as in the first training step ([Note: static
+        training shapes]); the sender checks its output against it."""
+        producer = self.stage_of(a.chunk) - (a.kind is Kind.RECV_H)
+        first = self._heard.get((True, producer)) if self.static and self._train else None
+        if first is not None and a.kind is Kind.SEND_H:
+            packed, tensors = self._outgoing[(Kind.F, a.microbatch, a.chunk)]
+            if (packed, metas := tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)) != first[0]:
+                raise ValueError(f"static training shapes (--static-shapes): stage {producer}'s output is "
+                                 f"({describe(metas)}), in the first training step ({describe(first[0][1])}); give "
+                                 f"every training step's microbatches one shape (pad them) or leave static shapes off")
+        if first is not None:
+            (self._sent if a.kind is Kind.SEND_H else self._streams)[producer] = (a.microbatch, *first[0])
+        return first is not None
 
     def _known(self, a: Action) -> bool:
         """Whether receive ``a``'s buffers can be made now: its stream's header came (recvF; or it is the first payload
@@ -355,7 +353,7 @@ class Wire:
     def _watch(self) -> Watch:
         return self.watch or watch()
 
-    def _complete(self, tr: _Transfer) -> None:
+    def _complete(self, tr: Transfer) -> None:
         if tr.done:
             return
         watcher = self._watch()

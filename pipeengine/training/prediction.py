@@ -29,7 +29,7 @@ from ..runtime.tensors import flat
 from ..runtime.layers import sizing_layers
 from ..runtime.microbatches import per_piece
 from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
-from ..runtime.wire import posts_early
+from ..runtime.transfer import posts_early
 from .checks import partition_arg
 from .report import write_json
 from .resources import outside_peak, rank_memory
@@ -176,7 +176,7 @@ def build_engine(cfg: Any, model: Any, topo: Any, feed: Any, device: torch.devic
             boundary_dtype=cfg.precision.boundary, costs=costs, memory_cap=cap * 2**30 if cap else None,
             shard_optimizer=cfg.parallel.zero == 1, link_gbps=cfg.schedule.link_gbps, microbatch_sizes=sizes,
             memory_budget=budget * 2**30 if budget is not None else None, facts=facts,
-            cut_microbatches=not cfg.schedule.whole_microbatches)
+            cut_microbatches=not cfg.schedule.whole_microbatches, static_shapes=cfg.parallel.static_shapes)
     except ValueError as exc:
         if budget is None or not str(exc).startswith("no plan fits the memory budget"):
             raise

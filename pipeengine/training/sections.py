@@ -94,6 +94,9 @@ class ParallelConfig:
                                 "semantics emulated: one tag per pair, each comm step completes before the next: "
                                 "what hangs on NCCL hangs here); NCCL always coalesces each step",
                         choices=WIRE_MODES)
+    static_shapes: bool = setting(False, "training steps keep the first one's tensor shapes between stages: no shape "
+                                         "header after it (on CUDA the host no longer waits for one per stage and "
+                                         "step); a step whose shapes changed is refused")
     zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over each stage's data-parallel replicas (each "
                            "rank holds 1/dp of it; gradients reduce-scattered, parameters all-gathered), 0 keeps a "
                            "whole copy per replica", check=checks.zero, metavar="{0,1}")

@@ -340,7 +340,7 @@ def test_a_device_read_that_never_completes_is_reported_like_a_gloo_wait() -> No
     """On NCCL the host blocks only where it reads device values (a header, the step's signals, timings);
     each read polls under the watch's deadline, so --timeout and the wait-for report work there too."""
     from pipeengine.runtime.faults import WaitTimeout
-    from pipeengine.runtime.wire import P2PTimeout
+    from pipeengine.runtime.transfer import P2PTimeout
     from pipeengine.schedule import Action
     w = _watch(0.5)
     t0 = time.monotonic()

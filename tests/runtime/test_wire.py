@@ -11,7 +11,8 @@ import torch
 
 from pipeengine.runtime.faults import watch
 from pipeengine.runtime.header import HEADER_LEN, TensorMeta, decode_header, describe, encode_header, header_length
-from pipeengine.runtime.wire import P2PTimeout, Wire, receives_ahead
+from pipeengine.runtime.transfer import P2PTimeout, receives_ahead
+from pipeengine.runtime.wire import Wire
 from pipeengine.schedule import Action, Kind
 from tests.harness import WorldPool, run_distributed
 
@@ -98,8 +99,8 @@ def test_settle_waits_for_gloo_sends_only_after_a_compute_and_for_strict_modes_l
 
 
 def wire_transfer(text: str) -> Any:
-    from pipeengine.runtime.wire import _Transfer
-    return _Transfer(A(text), 1, (torch.zeros(1),))
+    from pipeengine.runtime.transfer import Transfer
+    return Transfer(A(text), 1, (torch.zeros(1),))
 
 
 def A(text: str) -> Action:

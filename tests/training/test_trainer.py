@@ -268,6 +268,25 @@ def test_schedule_auto_trains_the_same_losses_as_1f1b_with_the_schedule_it_chose
 
 
 @pytest.mark.timeout(150)
+def test_static_shapes_from_the_command_line_train_the_same_losses(tmp_path: Path, world2: Any) -> None:
+    """--static-shapes reaches the engine (no header after the first training step: tests/runtime/test_static_shapes.py)
+    and changes nothing it computes."""
+    common = ["--model", "mlp", "--steps", "3", "--pp", "2", "--log-dir", str(tmp_path), "--quiet",
+              "--eval-interval", "0", "--timeline-interval", "0", "--partition", "uniform"]
+    static = world2.run(_train_wire, [*common, "--static-shapes"])
+    plain = world2.run(_train_wire, common)
+    assert [r["static"] for r in static] == [True, True] and [r["static"] for r in plain] == [False, False]
+    assert static[0]["losses"] == plain[0]["losses"]
+
+
+def _train_wire(rank: int, world: int, flags: list[str]) -> dict[str, Any]:
+    """The run's summary, and whether its engine's wire kept static training shapes."""
+    from pipeengine.training.trainer import Trainer
+    trainer = Trainer(parse_args(flags))
+    return {**trainer.run(), "static": trainer.engine.wire.static}
+
+
+@pytest.mark.timeout(150)
 def test_dropout_masks_belong_to_the_model_not_to_the_layout(tmp_path: Path, world1: Any, world2: Any) -> None:
     """--dropout: pp 2 draws the masks one process draws (bitwise the same losses); two replicas draw the masks of
     their own microbatches, so dp 2 trains as dp 1 on the same global batch (to float round-off)."""
