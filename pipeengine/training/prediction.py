@@ -27,6 +27,7 @@ from ..runtime.engine import PipelineEngine
 from ..runtime.options import parse_recompute
 from ..runtime.tensors import flat
 from ..runtime.layers import sizing_layers
+from ..runtime.measured import position_sizes
 from ..runtime.microbatches import per_piece
 from ..runtime.twin import HOST, HOST_CUDA, Twin, predict
 from ..runtime.transfer import posts_early
@@ -68,14 +69,14 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> float:
 def optimizer_bandwidth(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], device: torch.device,
                         states: float, elements: int) -> float:
     """Bytes per second the end of a step passes over (parameters, gradients and optimizer state): the optimizer's
-    step, the gradients' norm and zeroing, timed on one parameter of ``elements`` floats (the rank's own), median of
-    the runs after one warm-up.
+    step, the gradients' norm and zeroing, timed on one parameter of ``elements`` floats (the largest position's, in
+    a run: its end of step is the step's), median of the runs after one warm-up.
 
     [Note: the optimizer's probe]
     The pass's speed depends on how much it passes over: on this 2-core machine fused AdamW with the norm and the
     zeroing costs 1.0 ns an element up to 6 M elements (96 MB with its gradient and state) and 1.55 ns at 23.5 M
     (ResNet-50's), so a probe on a quarter of the rank predicted ResNet-50's end of step at half what it took. On
-    CPU it runs on the rank's whole size, outside the run's peak (resources.outside_peak: the resident high-water
+    CPU it runs on the whole size, outside the run's peak (resources.outside_peak: the resident high-water
     mark starts again after it; its memory is given back first) unless that is more than an eighth of what a rank
     may use. On a GPU (whose passes over HBM do not slow with size beyond its cache), and past that eighth, on a
     quarter of the rank (at most 4 M elements), which stays below the optimizer state the run will hold."""
@@ -141,8 +142,12 @@ def run_twin(engine: PipelineEngine, *, recompute: str, sample_inputs: Any, base
         return None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
     runtime = {engine.topology.position_of(r): b for r, b in zip(ranks, everyone)}
+    # the optimizer timed on the largest position's fp32 parameters ([Note: the optimizer's probe]): on its own size,
+    # position 0 of ResNet-18 at pp 2 (2.8 M of 11.2 M) predicted the end of step at 13.8 ms where it took 17.5
+    largest = int(max(params for params, _ in position_sizes(plan.measured, plan.bounds, plan.schedule)) // 4)
     facts = run_facts(build, device, engine.topology.dp, engine.zero is not None, sample_inputs,
-                      sum(p.numel() for p in engine.parameters), engine.wire.early, engine.grad_clip is not None)
+                      largest or sum(p.numel() for p in engine.parameters), engine.wire.early,
+                      engine.grad_clip is not None)
     stages = plan.recompute or [recompute] * plan.num_stages
     facts, sizes = per_piece(facts, sizes, plan.pieces)   # profiled on a piece ([Note: microbatch pieces])
     return predict(list(plan.measured), plan.bounds, plan.schedule, links=plan.links, sizes=sizes,
