@@ -56,6 +56,7 @@ class ActionClock:
         # how to wait for an event (a watched poll: a device that never gets there is a hang, reported)
         self._poll = poll or (lambda event: None)
         self._t0: Any = None
+        self.started_at = 0.0    # time.time() at start()
         self._last: Any = None   # the last event marked (CUDA)
         self._settled = False    # the device got past every stamp marked so far (records() waited for it)
         self._pending: list[tuple[int, Phase, int, Any, Any]] = []
@@ -70,6 +71,7 @@ class ActionClock:
 
     def start(self) -> None:
         self._t0 = self.mark()
+        self.started_at = time.time()   # the same moment on the host's wall clock: the ranks' steps side by side
         self._pending = []
 
     def add(self, stage: int, kind: Phase, microbatch: int, start: Any, end: Any) -> None:

@@ -302,6 +302,7 @@ class PipelineEngine:
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
         sync_start, synced = self.update.finish(result, buffers)
         result.records = self.clock.records()   # (one wait for the device: the stamps below are read after it)
+        result.started_at = self.clock.started_at
         result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
         result.step_time = max(r.end for r in result.records)
         self.step_count += 1

@@ -19,6 +19,7 @@ class StepResult:
     grad_norm: float | None = None
     step_time: float = 0.0
     records: list[ActionRecord] = field(default_factory=list)
+    started_at: float = 0.0                                     # the records' zero on the host's wall clock
     peak_stored: dict[int, int] = field(default_factory=dict)   # stage -> peak microbatches held
     outputs: list[Any] | None = None                            # eval on the last stage, if asked
     skipped: bool = False                                       # no optimizer step (non-finite, see below)

@@ -24,7 +24,7 @@ from .breakdown import PARTS, decompose, pipeline_bubble, simulated_bubble
 from .report import mean
 from .resources import peak_memory, process_age
 from .tensorboard import MetricsWriter
-from .timeline import chrome_trace
+from .timeline import chrome_trace, side_by_side
 
 __all__ = ["TimedStep", "StepTimes", "Reporter", "STEP_PARTS"]
 T = TypeVar("T")
@@ -103,17 +103,18 @@ class StepTimes:
         return out
 
 
-def gather_timings(records: list[ActionRecord], memory: dict[str, float], group: Any
-                   ) -> dict[int, tuple[list[ActionRecord], dict[str, float]]] | None:
-    """Every rank's records and peak memory on the group's first rank (None elsewhere); collective on ``group``."""
+def gather_timings(res: StepResult, memory: dict[str, float], group: Any
+                   ) -> dict[int, tuple[list[ActionRecord], dict[str, float], float]] | None:
+    """Every rank's records, peak memory and step start (the host's wall clock) on the group's first rank (None
+    elsewhere); collective on ``group``."""
     size = dist.get_world_size(group)
     first = dist.get_global_rank(group, 0) if group is not None else 0
     gathered: list[Any] | None = [None] * size if dist.get_rank() == first else None
-    dist.gather_object(([tuple(r) for r in records], memory), gathered, dst=first, group=group)
+    dist.gather_object(([tuple(r) for r in res.records], memory, res.started_at), gathered, dst=first, group=group)
     if gathered is None:
         return None
     senders = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    return {src: ([ActionRecord(*t) for t in rs], mem) for src, (rs, mem) in zip(senders, gathered)}
+    return {src: ([ActionRecord(*t) for t in rs], mem, at) for src, (rs, mem, at) in zip(senders, gathered)}
 
 
 class Reporter:
@@ -174,11 +175,12 @@ class Reporter:
 
     def timings(self, step: int, res: StepResult, lr: float, trace: bool, timeline: bool) -> None:
         """Gather replica 0's records and peak memory (its ranks; collective) and log them on rank 0."""
-        got = gather_timings(res.records, peak_memory(self.device), self.engine.groups.pp_group)
+        got = gather_timings(res, peak_memory(self.device), self.engine.groups.pp_group)
         if got is None:
             return
-        records = {rank: recs for rank, (recs, _) in got.items()}
-        self.memory = {self.topo.position_of(rank): mem for rank, (_, mem) in got.items()}
+        records = {rank: recs for rank, (recs, _, _) in got.items()}
+        self.memory = {self.topo.position_of(rank): mem for rank, (_, mem, _) in got.items()}
+        drawn = side_by_side(records, {rank: at for rank, (_, _, at) in got.items()})   # one time axis
         topo, engine = self.topo, self.engine
         step_time = max(r.end for rs in records.values() for r in rs)
         parts = decompose(records, step_time)   # replica 0's ranks, one per position
@@ -196,9 +198,9 @@ class Reporter:
             self.writer.log_scalars(step, {"time/predicted_step_s": self.twin.step_s, **{
                 f"memory/position{p}/predicted_mib": m.total / 2**20 for p, m in enumerate(self.twin.memory)}})
         if timeline:
-            self.writer.log_timeline(step, records)
+            self.writer.log_timeline(step, drawn)
         if trace:
-            chrome_trace(records, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
+            chrome_trace(drawn, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
 
     def step_done(self, step: int, wall: float, data: float, pipeline: float,
                   tokens: Callable[[int], tuple[int, int, int]]) -> None:

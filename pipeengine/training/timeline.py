@@ -15,7 +15,7 @@ from .report import write_json
 if TYPE_CHECKING:
     from PIL import ImageDraw, ImageFont
 
-__all__ = ["COLORS", "timeline_image", "timeline_picture", "save_timeline_png", "chrome_trace"]
+__all__ = ["COLORS", "side_by_side", "timeline_image", "timeline_picture", "save_timeline_png", "chrome_trace"]
 
 #: Box colours of the timeline image (RGB), one per action kind.
 COLORS: dict[Phase, tuple[int, int, int]] = {
@@ -97,6 +97,18 @@ def _draw_rank(draw: ImageDraw.ImageDraw, font: ImageFont.FreeTypeFont | ImageFo
         if r.kind in COMPUTE_PHASES and r.microbatch >= 0 and draw.textlength(text, font=font) + 4 <= x1 - x0:
             centre = ((x0 + x1) // 2, (y0 + y1) // 2 + 1)
             draw.text(centre, text, fill=_text_fill(fill), font=font, anchor="mm")
+
+
+def side_by_side(records_by_rank: Mapping[int, Sequence[ActionRecord]], started_at: Mapping[int, float]
+                 ) -> dict[int, list[ActionRecord]]:
+    """Each rank's records on one time axis: a rank's count from its own step's start (``started_at``, the host's
+    wall clock), so ranks whose steps start apart (a position with a larger optimizer pass starts its next step
+    later, and its peers wait for it) would otherwise be drawn as if they had started together. Across nodes the
+    rows agree as far as their clocks do."""
+    first = min(started_at.values(), default=0.0)
+    shift = {rank: started_at.get(rank, first) - first for rank in records_by_rank}
+    return {rank: [r._replace(start=r.start + shift[rank], end=r.end + shift[rank]) for r in rs]
+            for rank, rs in records_by_rank.items()}
 
 
 def timeline_picture(records_by_rank: Mapping[int, Sequence[ActionRecord]], *, width: int = 1200,

@@ -18,7 +18,7 @@ from pipeengine.training.console import _Console
 from pipeengine.training.report import write_json
 from pipeengine.training.resources import flops_per_example, flops_per_length, peak_tflops, slow_bf16_hint
 from pipeengine.training.tensorboard import MetricsWriter
-from pipeengine.training.timeline import COLORS, _frame, chrome_trace, timeline_image
+from pipeengine.training.timeline import COLORS, _frame, chrome_trace, side_by_side, timeline_image
 
 
 A = ActionRecord
@@ -93,6 +93,19 @@ def test_timeline_image_seam_between_back_to_back_boxes_and_narrow_width() -> No
     assert _pixel(img, f.x(0.5), top + 1) == COLORS["F"]
     with pytest.raises(ValueError, match="too narrow"):
         timeline_image(recs, width=100)
+
+
+def test_ranks_are_drawn_on_one_time_axis() -> None:
+    """Each rank's records count from its own step's start; the picture and the trace put them side by side by the
+    steps' starts on the host's wall clock: position 1 starts its step 16 ms before position 0 (whose optimizer pass
+    is longer) and waits 22 ms for position 0's first output, which took 6 ms: drawn, its wait starts 16 ms before
+    position 0's F and ends after it."""
+    rank0 = [A(0, 0, "F", 0, 0.0001, 0.0063)]
+    rank1 = [A(1, 1, "WAIT", 0, 0.0003, 0.0225), A(1, 1, "F", 0, 0.0227, 0.0271)]
+    drawn = side_by_side({0: rank0, 1: rank1}, {0: 1000.016, 1: 1000.0})
+    assert drawn[0][0].start == pytest.approx(0.0161) and drawn[0][0].end == pytest.approx(0.0223)
+    assert drawn[1] == rank1   # the earliest start is the axis' zero
+    assert side_by_side({0: rank0}, {}) == {0: rank0}   # nothing known of the starts: as recorded
 
 
 def test_chrome_trace(tmp_path: Path) -> None:
