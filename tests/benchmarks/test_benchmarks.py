@@ -81,10 +81,12 @@ def test_efficiency_smoke(scripts: Any) -> None:
             assert r[f"{engine}_back_to_back_s"] > r["ideal_s"] * 0.95
         assert r["ratio_ours_over_torch_back_to_back"] == pytest.approx(
             r["torch_back_to_back_s"] / r["ours_back_to_back_s"])
-        # (the measured costs are each rank's mean action times: a few slow actions raise them above what a step
-        # with the early receives, whose hops cost next to nothing, takes: 1.052 and 1.137 seen on a loaded machine.
-        # Not a timing target: costs fed in the wrong unit or the wrong schedule would be off by a factor of pp or m)
-        assert 0.5 < r["ours_efficiency_vs_measured_costs"] <= 1.5
+        # the measured costs are each rank's mean action times: a sleep takes at least its time and a loaded machine
+        # adds to it (1.28-1.37 x seen under this test's load); costs fed in the wrong unit or the wrong schedule
+        # would be off by a factor of pp or m. Not a timing target: the engine's efficiency against them is the
+        # benchmark's figure (it fell to 0.39 once under the load of the scripts started together)
+        assert 0.95 < r["ideal_measured_costs_s"] / r["ideal_s"] < 2.5, r
+        assert r["ours_efficiency_vs_measured_costs"] == pytest.approx(r["ideal_measured_costs_s"] / r["ours_median_s"])
     assert rows[0]["ours_peak_stored"] == {"0": 2, "1": 1}          # 1F1B: min(p - s, m)
     assert rows[0]["ideal_s"] == pytest.approx(5 * 0.006)           # (m + p - 1)(f + b + w)
     assert "| 1f1b | 2 | 4 |" in proc.stdout and "ours/torch training step |" in proc.stdout
