@@ -71,7 +71,9 @@ class ActionClock:
 
     def start(self) -> None:
         self._t0 = self.mark()
-        self.started_at = time.time()   # the same moment on the host's wall clock: the ranks' steps side by side
+        # the same moment on the host's wall clock, to draw the ranks' steps side by side (on CUDA the moment the
+        # start event was queued: it runs once the device got there, later by the work queued before it)
+        self.started_at = time.time()
         self._pending = []
 
     def add(self, stage: int, kind: Phase, microbatch: int, start: Any, end: Any) -> None:

@@ -89,10 +89,9 @@ class PipelineEngine:
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: Callable[[Any, Any], torch.Tensor],
-                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
-                 topology: Topology | None = None, plan: Plan | None = None, schedule: str | Schedule = "1f1b",
-                 microbatches: int | Sequence[int] = 4, chunks: int | None = None,
-                 partition: str | Sequence[int] = "parameters",
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *, topology: Topology | None = None,
+                 plan: Plan | None = None, schedule: str | Schedule = "1f1b", microbatches: int | Sequence[int] = 4,
+                 chunks: int | None = None, partition: str | Sequence[int] = "parameters",
                  sample: tuple[Any, Any] | None = None, memory_cap: float | None = None, costs: Costs | None = None,
                  tied: Sequence[Sequence[tuple[int, str]]] = (), grad_clip: float | None = None,
                  device: torch.device | None = None, timeout: float | None = None, validate_schedule: bool = True,
@@ -119,10 +118,11 @@ class PipelineEngine:
             loss_fn=loss_fn, device=self.device, validate_schedule=validate_schedule,
             agree={"pp x dp": (self.topology.pp, self.topology.dp), "schedule": getattr(schedule, "name", schedule),
                    "microbatches": counts, "chunks": chunks, "partition": partition, "precision": precision,
-                   "recompute": recompute, "wire": wire, "grad_clip": grad_clip, "on_nonfinite": on_nonfinite,
-                   "bucket_mb": bucket_mb, "timeout": timeout, "tied": [list(map(tuple, g)) for g in tied],
-                   "shard_optimizer": shard_optimizer, "boundary_dtype": boundary_dtype, "link_gbps": link_gbps,
-                   "memory_budget": memory_budget, "cut_microbatches": cut_microbatches, "static": static_shapes},
+                   "recompute": recompute, "wire": wire, "static_shapes": static_shapes, "grad_clip": grad_clip,
+                   "on_nonfinite": on_nonfinite, "bucket_mb": bucket_mb, "timeout": timeout,
+                   "tied": [list(map(tuple, g)) for g in tied], "shard_optimizer": shard_optimizer,
+                   "boundary_dtype": boundary_dtype, "link_gbps": link_gbps, "memory_budget": memory_budget,
+                   "cut_microbatches": cut_microbatches},
             links=links_for(self.topology, self.device, link_gbps), sizes=microbatch_sizes,
             memory_budget=memory_budget, facts=facts, selective=recompute == "selective", cut=cut_microbatches)
         self.schedule, eval_schedule = self.plan.schedules_of(self.replica)

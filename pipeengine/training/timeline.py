@@ -104,7 +104,8 @@ def side_by_side(records_by_rank: Mapping[int, Sequence[ActionRecord]], started_
     """Each rank's records on one time axis: a rank's count from its own step's start (``started_at``, the host's
     wall clock), so ranks whose steps start apart (a position with a larger optimizer pass starts its next step
     later, and its peers wait for it) would otherwise be drawn as if they had started together. Across nodes the
-    rows agree as far as their clocks do."""
+    rows agree as far as their clocks do; on CUDA, as far as each rank's device was caught up when its step began
+    (its records count from a start event, ``started_at`` is when the host queued it)."""
     first = min(started_at.values(), default=0.0)
     shift = {rank: started_at.get(rank, first) - first for rank in records_by_rank}
     return {rank: [r._replace(start=r.start + shift[rank], end=r.end + shift[rank]) for r in rs]
