@@ -18,7 +18,8 @@ and ours does inside its step (the grad-norm all-reduce, the optimizer step, zer
 of training steps. Each step is timed between barriers, so a step's end counts in full (the decision
 that ends ours: every rank waits for the first position's last backward); ``--back-to-back`` also
 times the steps one after the other, as a training loop runs them (a step's end then overlaps the next
-step's fill), and gives those ratios too.
+step's fill), and gives those ratios too. ``--critical-path`` (gpipe, 1f1b) splits each engine's step into its
+start, the fill's and the cooldown's hops, its end and the rest (benchmarks/critical_path.py).
 
 Real mode (2 processes): an MLP whose step takes about a second on one thread, run unsplit with
 gradient accumulation on rank 0 and as pp=2 1F1B on both ranks, same global batch and microbatches;
@@ -42,6 +43,7 @@ from torch import nn
 
 from benchmarks.common import (append_jsonl, describe_real, efficiency_table, finish_and_exit, init_from_env,
                                mean_loss, timed_run, timed_steps)
+from benchmarks.critical_path import critical_path_table, decompose, record_steps, summarise
 from benchmarks.sleep_stages import sleep_layers
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.topology import Topology
@@ -119,8 +121,8 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
 
 
 def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int], steps: int,
-               warmup: int, engines: list[str], back_to_back: bool = False, static: bool = False
-               ) -> dict[str, Any] | None:
+               warmup: int, engines: list[str], back_to_back: bool = False, static: bool = False,
+               critical: bool = False) -> dict[str, Any] | None:
     v = default_chunks(name)
     runners: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
@@ -141,11 +143,13 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
             times[e] += timed_steps(runners[e]["step"], half if rnd == 0 else steps - half)
             if back_to_back:
                 runs[e].append(timed_run(runners[e]["step"], half if rnd == 0 else steps - half))
+    critical = critical and name in ("gpipe", "1f1b")   # one stage per rank, a whole backward: critical_path.py
+    stamped = {e: record_steps(runners[e]["step"], steps) for e in runners} if critical else {}
     sched = runners["ours"]["engine"].schedule if "ours" in runners else None
     peaks = runners["ours"]["peaks"] if "ours" in runners else {}
     durations = runners["ours"]["durations"] if "ours" in runners else {}
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (peaks, durations))
+    dist.all_gather_object(gathered, (peaks, durations, stamped))
     if dist.get_rank() != 0:
         return None
     costs = Costs(*(x / v for x in t))
@@ -159,11 +163,14 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
         row[f"{e}_median_s"] = med
         row[f"{e}_efficiency"] = ideal / med
         row[f"{e}_overhead_ms_per_action"] = (med - ideal) / actions_per_rank * 1000
+    if critical:   # each engine's step in parts (benchmarks/critical_path.py)
+        row["critical_path_ms"] = {e: summarise([decompose([g[2][e][i] for g in gathered], m) for i in range(steps)])
+                                   for e in runners}
     if "ours" in times and sched is not None:
-        row["ours_peak_stored"] = {str(k): v for p, _ in gathered for k, v in p.items()}
+        row["ours_peak_stored"] = {str(k): v for p, _, _ in gathered for k, v in p.items()}
         # the simulator fed each rank's measured mean action times: what is left is the engine's overhead
         per_rank = []
-        for _, ds in gathered:
+        for _, ds, _ in gathered:
             mean = {k: statistics.mean(ds[k] or [0.0]) for k in ("F", "B", "W")}
             per_rank.append(Costs(mean["F"], mean["B"], mean["W"] if sched.split_backward else 0.0))
         row["measured_action_ms"] = [[round(c.f * 1000, 2), round(c.b * 1000, 2), round(c.w * 1000, 2)]
@@ -288,6 +295,10 @@ def main() -> None:
                         "loop's pace: a step's end overlaps the next one's start), and the ratio of those")
     p.add_argument("--static-shapes", action="store_true",
                    help="ours with static training shapes (no shape header after the first step), as torch's are")
+    p.add_argument("--critical-path", action="store_true",
+                   help="also run each engine's steps with the sleep stages stamped and split each step into its "
+                        "start, the fill's hops, the cooldown's hops, its end and the rest, per engine "
+                        "(benchmarks/critical_path.py; gpipe and 1f1b only, other schedules' rows have none)")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
     p.add_argument("--real", action="store_true", help="real-compute pp=2 speedup mode (2 processes)")
     p.add_argument("--hidden", type=int, default=1024)
@@ -307,7 +318,8 @@ def main() -> None:
         for name in args.schedules:
             for m in args.microbatches:
                 row = run_config(name, dist.get_world_size(), m, (args.tf, args.tb, args.tw), act, args.steps,
-                                 args.warmup, args.engines, args.back_to_back, args.static_shapes)
+                                 args.warmup, args.engines, args.back_to_back, args.static_shapes,
+                                 args.critical_path)
                 if row:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -319,6 +331,8 @@ def main() -> None:
             print(describe_real(rows[0]))
         else:
             print(efficiency_table(rows))
+            if args.critical_path:
+                print("\n" + critical_path_table(rows))
     finish_and_exit()
 
 

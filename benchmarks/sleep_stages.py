@@ -15,6 +15,9 @@ copy takes about 100 us right after a 10 ms sleep against 3 us warm), so a "10 m
 tensor work first and then sleeps until ``start + t``, shortened by the sleep overshoot measured
 once per process (:func:`overshoot`). Whatever runs after the stage (the engine's sends, autograd's
 bookkeeping) is the engine's cost and stays in the measured step. Both engines run these stages.
+
+While ``RECORD`` is a list, each part appends ``(kind, start, end)`` to it: "F", "B" (input gradient) or "W"
+(weight gradient), ``time.perf_counter`` seconds (benchmarks/critical_path.py).
 """
 
 from __future__ import annotations
@@ -26,9 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SleepStage", "sleep_layers", "sleep_until", "overshoot"]
+__all__ = ["SleepStage", "sleep_layers", "sleep_until", "overshoot", "RECORD"]
 
 _overshoot: float | None = None
+RECORD: list[tuple[str, float, float]] | None = None   # each part's stamps, while a list (see the module docstring)
+
+
+def _stamp(kind: str, start: float) -> None:
+    if RECORD is not None:
+        RECORD.append((kind, start, time.perf_counter()))
 
 
 def overshoot() -> float:
@@ -61,7 +70,9 @@ class _SleepInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        sleep_until(time.perf_counter() + ctx.t_b)
+        start = time.perf_counter()
+        sleep_until(start + ctx.t_b)
+        _stamp("B", start)
         return grad, None
 
 
@@ -75,9 +86,10 @@ class _SleepWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        deadline = time.perf_counter() + ctx.t_w
+        start = time.perf_counter()
         out = torch.zeros(1, dtype=grad.dtype, device=grad.device)
-        sleep_until(deadline)
+        sleep_until(start + ctx.t_w)
+        _stamp("W", start)
         return out, None
 
 
@@ -91,9 +103,10 @@ class SleepStage(nn.Module):
         overshoot()   # calibrate now, not inside the first timed step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        deadline = time.perf_counter() + self.t_f
+        start = time.perf_counter()
         y = _SleepInput.apply(x, self.t_b) + _SleepWeight.apply(self.weight, self.t_w)
-        sleep_until(deadline)
+        sleep_until(start + self.t_f)
+        _stamp("F", start)
         return y
 
 

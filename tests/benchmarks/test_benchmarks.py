@@ -22,7 +22,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 SCRIPTS = {
     "efficiency": [*TORCHRUN, "-m", "benchmarks.efficiency", "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
                    "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out",
-                   "{out}", "--engines", "ours", "torch", "torch-train", "--back-to-back"],
+                   "{out}", "--engines", "ours", "torch", "torch-train", "--back-to-back", "--critical-path"],
     "efficiency-real": [*TORCHRUN, "-m", "benchmarks.efficiency", "--real", "--hidden", "64", "--depth", "4",
                         "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", "{out}"],
     "overhead": [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"],
@@ -91,6 +91,40 @@ def test_efficiency_smoke(scripts: Any) -> None:
     assert rows[0]["ideal_s"] == pytest.approx(5 * 0.006)           # (m + p - 1)(f + b + w)
     assert "| 1f1b | 2 | 4 |" in proc.stdout and "ours/torch training step |" in proc.stdout
     assert "ours/torch back to back |" in proc.stdout
+    # --critical-path: 1F1B's steps in parts, per engine (zb-h1 splits its backward: none); a receiver starts after its
+    # sender's part ended, and a rank returns after its last part: no hop, start or end is negative
+    assert "critical_path_ms" not in rows[1]
+    paths = rows[0]["critical_path_ms"]
+    assert set(paths) == {"ours", "torch", "torch-train"}
+    for parts in paths.values():
+        assert len(parts["fill"]) == len(parts["cooldown"]) == 1
+        assert min(parts["start"], parts["end"], *parts["fill"], *parts["cooldown"]) >= 0, parts
+        assert parts["rest"] > 0.95 * rows[0]["ideal_s"] * 1e3, parts   # the computes on the critical path, at least
+    assert "| 1f1b | 2 | 4 | ours - torch |" in proc.stdout
+
+
+def test_critical_path_splits_a_step_into_parts_that_add_up() -> None:
+    """benchmarks.critical_path on a made-up pp 2, m 2 1F1B step (ms): the fill's and the cooldown's hops are measured
+    between the right parts, and the parts add up to the step."""
+    from benchmarks.critical_path import critical_path_table, decompose, summarise
+    ms = 1e-3
+    rank0 = (0.0, 30 * ms, [("F", 0.5 * ms, 2.5 * ms), ("F", 2.6 * ms, 4.6 * ms),   # no input gradient: W only
+                            ("W", 7.0 * ms, 11 * ms), ("W", 15.0 * ms, 19 * ms)])
+    rank1 = (0.2 * ms, 20 * ms, [("F", 2.9 * ms, 4.9 * ms), ("W", 5.0 * ms, 7 * ms), ("B", 7.0 * ms, 9 * ms),
+                                 ("F", 9.1 * ms, 11.1 * ms), ("B", 11.2 * ms, 13.2 * ms), ("W", 13.2 * ms, 14.6 * ms)])
+    parts = decompose([rank0, rank1], 2)
+    assert parts["start"] == pytest.approx(0.5 * ms)
+    assert parts["fill"] == [pytest.approx(0.4 * ms)]        # rank 0's first F ends 2.5, rank 1's starts 2.9
+    assert parts["cooldown"] == [pytest.approx(0.4 * ms)]    # rank 1's last B + W ends 14.6, rank 0's last W 15.0
+    assert parts["end"] == pytest.approx(11 * ms)            # the last part ends 19, rank 0 returns at 30
+    assert parts["step"] == pytest.approx(30 * ms)
+    assert parts["rest"] == pytest.approx(30 * ms - 0.5 * ms - 0.4 * ms - 0.4 * ms - 11 * ms)   # they add up
+    with pytest.raises(ValueError, match="a whole backward per microbatch"):   # a split backward's Ws come apart
+        decompose([rank0, (0.0, 20 * ms, rank1[2][:-1])], 2)
+    summary = summarise([parts, parts])
+    assert summary["fill"] == [0.4] and summary["end"] == 11.0
+    row = {"schedule": "1f1b", "pp": 2, "microbatches": 2, "critical_path_ms": {"ours": summary, "torch": summary}}
+    assert "| 1f1b | 2 | 2 | ours - torch | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 |" in critical_path_table([row])
 
 
 def test_overhead_analysis_of_records() -> None:
