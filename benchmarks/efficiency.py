@@ -64,20 +64,26 @@ def ours(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[i
                             schedule=name, microbatches=m, chunks=v, partition=list(range(pp * v + 1)),
                             costs=Costs(*(x / v for x in t)), static_shapes=static)
     x = torch.randn(*act)
-    peaks: dict[int, int] = {}
-    durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}   # this rank's action times (B: split ones)
+    results: list[Any] = []   # each step's result, read after the timed steps (torch's steps read nothing)
     split = engine.schedule.split_backwards()
 
     def step() -> None:
-        res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
-        peaks.update(res.peak_stored)
-        for r in res.records:
-            full = r.kind == "B" and split and (engine.position, r.microbatch,
-                                                engine.schedule.placement(r.stage)[1]) not in split
-            if r.kind in durations and not full:   # a full B (of a schedule that also splits) is b + w
-                durations[r.kind].append(r.end - r.start)
+        results.append(engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None))
 
-    return {"engine": engine, "step": step, "peaks": peaks, "durations": durations}
+    def stats() -> tuple[dict[int, int], dict[str, list[float]]]:
+        """Peak stored activations per stage, and this rank's action times (B: split ones), over every step run."""
+        peaks: dict[int, int] = {}
+        durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+        for res in results:
+            peaks.update(res.peak_stored)
+            for r in res.records:
+                full = r.kind == "B" and split and (engine.position, r.microbatch,
+                                                    engine.schedule.placement(r.stage)[1]) not in split
+                if r.kind in durations and not full:   # a full B (of a schedule that also splits) is b + w
+                    durations[r.kind].append(r.end - r.start)
+        return peaks, durations
+
+    return {"engine": engine, "step": step, "stats": stats}
 
 
 def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int],
@@ -146,8 +152,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     critical = critical and name in ("gpipe", "1f1b")   # one stage per rank, a whole backward: critical_path.py
     stamped = {e: record_steps(runners[e]["step"], steps) for e in runners} if critical else {}
     sched = runners["ours"]["engine"].schedule if "ours" in runners else None
-    peaks = runners["ours"]["peaks"] if "ours" in runners else {}
-    durations = runners["ours"]["durations"] if "ours" in runners else {}
+    peaks, durations = runners["ours"]["stats"]() if "ours" in runners else ({}, {})
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (peaks, durations, stamped))
     if dist.get_rank() != 0:

@@ -291,8 +291,9 @@ class PipelineEngine:
             raise
         if return_outputs and self.stages[-1].is_last:
             result.outputs = merged([self.stages[-1].outputs[k] for k in sorted(self.stages[-1].outputs)], self.pieces)
-        result.records = self.clock.records()
-        result.step_time = self.clock.elapsed(self.clock.mark())
+        self.clock.mark()
+        result.step_time = self.clock.end()
+        result.records = self.clock.later()
         return result
 
     # ------------------------------------------------------------------ a training step
@@ -301,10 +302,10 @@ class PipelineEngine:
         buffers = self.update.begin()
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
         sync_start, synced = self.update.finish(result, buffers)
-        result.records = self.clock.records()   # (one wait for the device: the stamps below are read after it)
+        result.step_time = self.clock.end()   # (one wait for the device: the stamps below are read after it)
+        result.records = self.clock.later()
         result.started_at = self.clock.started_at
         result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
-        result.step_time = max(r.end for r in result.records)
         self.step_count += 1
         return result
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from pipeengine.runtime.clock import ActionRecord, gather_records
@@ -31,3 +32,27 @@ def test_gather_through_gloo_rebuilds_records(single_rank_group: None) -> None:
     assert out == {0: R[0]}
     assert out is not None and all(type(r) is ActionRecord for r in out[0])
     assert gather_records([]) == {0: []}       # a rank with nothing recorded still appears
+
+
+def test_a_steps_records_are_made_when_read_and_the_next_step_leaves_them_as_they_were() -> None:
+    """``later()`` keeps the step's stamps for a caller who reads them after the next step began (the trainer's
+    reporter, every few steps); ``end()`` is the last stamp, the step's end (the SYNC record's); a StepResult makes
+    its records once, on the first read."""
+    from pipeengine.runtime.clock import ActionClock, Phase
+    from pipeengine.runtime.results import StepResult
+    clock = ActionClock(3, torch.device("cpu"))
+    clock.start()
+    a = clock.mark()
+    clock.add(0, Phase.F, 0, a, clock.mark())
+    clock.add(0, Phase.SYNC, -1, clock.mark(), clock.mark())
+    made = clock.later()
+    end = clock.end()
+    clock.start()   # the next step
+    clock.add(0, Phase.F, 1, clock.mark(), clock.mark())
+    records = made()
+    assert [(r.rank, r.kind, r.microbatch) for r in records] == [(3, Phase.F, 0), (3, Phase.SYNC, -1)]
+    assert end == max(r.end for r in records) and 0 <= records[0].start < records[0].end <= end
+    calls = []
+    result = StepResult(loss=0.0)
+    result.records = lambda: calls.append(1) or records
+    assert result.records == records and result.records is result.records and calls == [1]
