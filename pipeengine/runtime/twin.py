@@ -224,7 +224,8 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
         once = not split or not segmented(s == 0, len(layers), regions[s] is not None, False,
                                           all(c.direct_w for c in layers))   # (ties: not seen here)
         apart = split and regions[s] != SELECTIVE   # a selective stage runs the fused backward (recompute.py)
-        phases = [sum(c.phases(apart)[k] - once * c.host_phases(apart)[k] for c in layers)
+        # (a layer's own work is never negative: on a busy machine the engine's cost beside it can time longer)
+        phases = [sum(max(0.0, c.phases(apart)[k] - once * c.host_phases(apart)[k]) for c in layers)
                   + once * max(c.host_phases(apart)[k] for c in layers) for k in range(3)]
         p = schedule.placement(s)[0]
         actions = sum(1 for a in schedule.compute_actions(p) if a.kind is not Kind.W)

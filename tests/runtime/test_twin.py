@@ -186,6 +186,18 @@ def test_the_engine_cost_around_a_layer_counts_once_per_stage() -> None:
     assert first == pytest.approx((4e-3, 4e-3, 4e-3)) and second == pytest.approx((4e-3 - 3 * 0.2e-3,) * 3)
 
 
+def test_a_layer_timed_shorter_than_the_engines_cost_beside_it_costs_nothing_not_less() -> None:
+    """On a busy machine a nearly empty layer can time shorter than the engine's own cost measured beside it (a
+    launcher run ended with "cost f=-1.4e-05 is negative" in the twin): its own work counts 0, and the step is
+    predicted."""
+    sched = compile_schedule("1f1b", 2, 4)
+    timed = layers(8, host=0.2e-3)
+    timed[1:8] = [dataclasses.replace(c, f=0.1e-3, b=0.1e-3, w=0.1e-3, fused=0.2e-3) for c in timed[1:8]]
+    first, second = stage_costs(timed, [0, 4, 8], sched, host=FREE)
+    assert first == pytest.approx((1e-3, 1e-3, 1e-3)) and second == pytest.approx((0.2e-3, 0.2e-3, 0.2e-3))
+    assert predict(timed, [0, 4, 8], sched, host=FREE).step_s > 0
+
+
 def test_posting_transfers_lengthens_the_actions_that_post_them() -> None:
     sched = compile_schedule("1f1b", 2, 4)
     host = Host(per_step=0.0, per_post=1e-3, post_bandwidth=MB / 1e-3)   # a post: 1 ms + 1 ms per MiB
