@@ -12,7 +12,9 @@ A schedule without W runs B+W in its backward. For chunks > 1 each chunk sleeps 
 times, so every schedule does the same work. Per configuration it reports the median step time of
 each engine, the simulator's ideal makespan for the same costs (free communication), efficiency =
 ideal / measured, overhead per compute action, peak stored activations per stage, and the
-throughput ratio ours / torch.distributed.pipelining. Engines alternate (ours, theirs, ours, ...).
+throughput ratio ours / torch.distributed.pipelining, and each engine's CPU time per step summed over the
+ranks (``time.process_time``: the host's own cost, apart from how long it waited; fitted in m with the excess when
+two or more m are run). Engines alternate (ours, theirs, ours, ...).
 ``--engines ours torch torch-train`` adds torch's step() followed by what a training loop adds to it
 and ours does inside its step (the grad-norm all-reduce, the optimizer step, zero_grad), and the ratio
 of training steps. Each step is timed between barriers, so a step's end counts in full (the decision
@@ -35,7 +37,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -126,6 +128,16 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
     return {"step": step}
 
 
+def cpu_timed(step: Callable[[], None], into: list[float]) -> Callable[[], None]:
+    """``step``, its CPU seconds (this process, every thread: the host's cost, however long it waited) appended to
+    ``into``."""
+    def run() -> None:
+        start = time.process_time()
+        step()
+        into.append(time.process_time() - start)
+    return run
+
+
 def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple[int, int], steps: int,
                warmup: int, engines: list[str], back_to_back: bool = False, static: bool = False,
                critical: bool = False) -> dict[str, Any] | None:
@@ -142,11 +154,12 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
             errors[e] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             runners.pop(e, None)
     times: dict[str, list[float]] = {e: [] for e in runners}
+    cpu: dict[str, list[float]] = {e: [] for e in runners}    # this rank's CPU seconds in each timed step
     runs: dict[str, list[float]] = {e: [] for e in runners}   # --back-to-back: seconds of each run of steps
     half = max(1, steps // 2)
     for rnd in range(2):   # alternate engines so machine noise hits both
         for e in runners:
-            times[e] += timed_steps(runners[e]["step"], half if rnd == 0 else steps - half)
+            times[e] += timed_steps(cpu_timed(runners[e]["step"], cpu[e]), half if rnd == 0 else steps - half)
             if back_to_back:
                 runs[e].append(timed_run(runners[e]["step"], half if rnd == 0 else steps - half))
     critical = critical and name in ("gpipe", "1f1b")   # one stage per rank, a whole backward: critical_path.py
@@ -154,7 +167,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     sched = runners["ours"]["engine"].schedule if "ours" in runners else None
     peaks, durations = runners["ours"]["stats"]() if "ours" in runners else ({}, {})
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (peaks, durations, stamped))
+    dist.all_gather_object(gathered, (peaks, durations, stamped, {e: statistics.median(v) for e, v in cpu.items()}))
     if dist.get_rank() != 0:
         return None
     costs = Costs(*(x / v for x in t))
@@ -166,16 +179,17 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     for e, ts in times.items():
         med = statistics.median(ts)
         row[f"{e}_median_s"] = med
+        row[f"{e}_cpu_ms_per_step"] = 1e3 * sum(g[3][e] for g in gathered)   # every rank's, every thread's
         row[f"{e}_efficiency"] = ideal / med
         row[f"{e}_overhead_ms_per_action"] = (med - ideal) / actions_per_rank * 1000
     if critical:   # each engine's step in parts (benchmarks/critical_path.py)
         row["critical_path_ms"] = {e: summarise([decompose([g[2][e][i] for g in gathered], m) for i in range(steps)])
                                    for e in runners}
     if "ours" in times and sched is not None:
-        row["ours_peak_stored"] = {str(k): v for p, _, _ in gathered for k, v in p.items()}
+        row["ours_peak_stored"] = {str(k): v for p, *_ in gathered for k, v in p.items()}
         # the simulator fed each rank's measured mean action times: what is left is the engine's overhead
         per_rank = []
-        for _, ds, _ in gathered:
+        for _, ds, *_ in gathered:
             mean = {k: statistics.mean(ds[k] or [0.0]) for k in ("F", "B", "W")}
             per_rank.append(Costs(mean["F"], mean["B"], mean["W"] if sched.split_backward else 0.0))
         row["measured_action_ms"] = [[round(c.f * 1000, 2), round(c.b * 1000, 2), round(c.w * 1000, 2)]

@@ -79,6 +79,7 @@ def test_efficiency_smoke(scripts: Any) -> None:
         assert r["torch-train_median_s"] > r["ideal_s"] * 0.95   # step() plus a training loop's epilogue
         for engine in ("ours", "torch", "torch-train"):   # --back-to-back: no step ends before its compute can
             assert r[f"{engine}_back_to_back_s"] > r["ideal_s"] * 0.95
+            assert r[f"{engine}_cpu_ms_per_step"] > 0   # every rank posts and waits: some CPU, however little
         assert r["ratio_ours_over_torch_back_to_back"] == pytest.approx(
             r["torch_back_to_back_s"] / r["ours_back_to_back_s"])
         # the measured costs are each rank's mean action times: a sleep takes at least its time and a loaded machine
@@ -101,6 +102,19 @@ def test_efficiency_smoke(scripts: Any) -> None:
         assert min(parts["start"], parts["end"], *parts["fill"], *parts["cooldown"]) >= 0, parts
         assert parts["rest"] > 0.95 * rows[0]["ideal_s"] * 1e3, parts   # the computes on the critical path, at least
     assert "| 1f1b | 2 | 4 | ours - torch |" in proc.stdout
+
+
+def test_the_efficiency_table_fits_the_excess_and_the_cpu_in_m() -> None:
+    """The host's cost per microbatch: least-squares lines in m of the step's excess over the ideal and of its CPU."""
+    from benchmarks.common import efficiency_table, excess_fits
+    rows = [{"schedule": "1f1b", "pp": 2, "microbatches": m, "ideal_s": 0.006 * (m + 1),
+             "ours_median_s": 0.006 * (m + 1) + 0.001 + 0.0005 * m, "ours_cpu_ms_per_step": 2.0 + 0.75 * m,
+             "torch_median_s": 0.006 * (m + 1) + 0.0004 * m} for m in (4, 8, 16)]
+    assert excess_fits(rows)[("1f1b", 2, "ours")] == pytest.approx((0.0005, 0.001))
+    assert excess_fits(rows, cpu=True)[("1f1b", 2, "ours")] == pytest.approx((0.75, 2.0))
+    table = efficiency_table(rows)
+    assert "| 1f1b | 2 | ours | 0.500 | 1.00 | 0.750 | 2.000 |" in table
+    assert "| 1f1b | 2 | torch | 0.400 | " in table and table.endswith("| n/a | n/a |")   # torch's CPU: not measured
 
 
 def test_critical_path_splits_a_step_into_parts_that_add_up() -> None:
