@@ -60,7 +60,7 @@ class ActionClock:
         self._t0: Any = None
         self.started_at = 0.0    # time.time() at start()
         self._last: Any = None   # the last stamp marked
-        self._settled = False    # the device got past every stamp marked so far (records() waited for it)
+        self._settled = False    # the device got past every stamp marked so far (end() waited for it)
         self._pending: list[tuple[int, Phase, int, Any, Any]] = []
 
     def mark(self) -> Any:

@@ -39,6 +39,9 @@ class StepResult:
     def records(self, value: list[ActionRecord] | Callable[[], list[ActionRecord]]) -> None:
         self._records = value
 
+    def __getstate__(self) -> dict[str, Any]:   # pickled or copied with its records made
+        return {**self.__dict__, "_records": self.records}
+
 
 @dataclass
 class StepState:

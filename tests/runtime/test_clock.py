@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Iterator
 
@@ -56,3 +57,5 @@ def test_a_steps_records_are_made_when_read_and_the_next_step_leaves_them_as_the
     result = StepResult(loss=0.0)
     result.records = lambda: calls.append(1) or records
     assert result.records == records and result.records is result.records and calls == [1]
+    result.records = clock.later()   # the next step's, not yet read: pickled (sent to another process) with them made
+    assert pickle.loads(pickle.dumps(result)).records == result.records and len(result.records) == 1
