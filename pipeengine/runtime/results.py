@@ -18,7 +18,7 @@ class StepResult:
     loss: float
     grad_norm: float | None = None
     step_time: float = 0.0
-    _records: list[ActionRecord] | Callable[[], list[ActionRecord]] = field(default_factory=list, repr=False)
+    records: list[ActionRecord] = field(default_factory=list)   # made on the first read: see records_later()
     started_at: float = 0.0                                     # the records' zero on the host's wall clock
     peak_stored: dict[int, int] = field(default_factory=dict)   # stage -> peak microbatches held
     outputs: list[Any] | None = None                            # eval on the last stage, if asked
@@ -27,20 +27,29 @@ class StepResult:
     grad_sync_wait: float = 0.0                                 # seconds waiting for the DP all-reduce
     stop: int | None = None                                     # a signal some rank got: every rank stops here
 
-    @property
-    def records(self) -> list[ActionRecord]:
-        """This rank's timed actions (clock.py), made on the first read (a step files hundreds: about 0.1 ms of Python
-        each step, for a caller who may never read them)."""
-        if callable(self._records):
-            self._records = self._records()
-        return self._records
+    def records_later(self, make: Callable[[], list[ActionRecord]]) -> None:
+        """``records`` made by ``make`` when first read (a step files hundreds: about 0.1 ms of Python each step, for a
+        caller who may never read them); every dataclass way to read the field (``asdict``, ``==``, ``repr``,
+        pickling, copies) reads them made."""
+        self.__dict__["records"] = make
 
-    @records.setter
-    def records(self, value: list[ActionRecord] | Callable[[], list[ActionRecord]]) -> None:
-        self._records = value
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "records": self.records}
 
-    def __getstate__(self) -> dict[str, Any]:   # pickled or copied with its records made
-        return {**self.__dict__, "_records": self.records}
+
+def _records(result: StepResult) -> list[ActionRecord]:
+    made = result.__dict__["records"]
+    if callable(made):
+        made = result.__dict__["records"] = made()
+    return made  # type: ignore[no-any-return]
+
+
+def _set_records(result: StepResult, value: list[ActionRecord]) -> None:
+    result.__dict__["records"] = value
+
+
+# the field is a property once the dataclass is made: __init__, replace() and the rest go through it
+StepResult.records = property(_records, _set_records)  # type: ignore[assignment]
 
 
 @dataclass

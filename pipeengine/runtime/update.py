@@ -158,8 +158,9 @@ class Update:
 def zero_grads(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)``. torch's own is done as its loop alone: its call's profiler range
     and compiler guard cost about 0.1 ms on a core woken for the step, at the first position's start of every step
-    (``benchmarks.efficiency --critical-path``); an optimizer's own ``zero_grad`` is called as it is."""
-    if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+    (``benchmarks.efficiency --critical-path``); an optimizer's own ``zero_grad`` (a subclass's, or one set on the
+    instance) is called as it is."""
+    if getattr(optimizer.zero_grad, "__func__", None) is not torch.optim.Optimizer.zero_grad:   # its own, or set on it
         optimizer.zero_grad(set_to_none=True)
         return
     for group in optimizer.param_groups:

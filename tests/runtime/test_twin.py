@@ -196,6 +196,10 @@ def test_a_layer_timed_shorter_than_the_engines_cost_beside_it_costs_nothing_not
     first, second = stage_costs(timed, [0, 4, 8], sched, host=FREE)
     assert first == pytest.approx((1e-3, 1e-3, 1e-3)) and second == pytest.approx((0.2e-3, 0.2e-3, 0.2e-3))
     assert predict(timed, [0, 4, 8], sched, host=FREE).step_s > 0
+    # without a split the backward counts as a whole: fused 1.0 less the engine's 0.5, whatever the parts' own shares
+    one = LayerCost(0.5, 0.9, 0.1, 1.0, MB, MB, host=(0.2, 0.2, 0.3, 0.5))
+    (f, b, w), = stage_costs([one], [0, 1], compile_schedule("1f1b", 1, 2), host=FREE)
+    assert (f, b + w) == pytest.approx((0.5, 1.0))   # (0.3 + 0.2 and 0.5 + 0.5: its own plus the engine's, once)
 
 
 def test_posting_transfers_lengthens_the_actions_that_post_them() -> None:

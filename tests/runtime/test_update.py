@@ -28,3 +28,7 @@ def test_zero_grads_clears_the_optimizers_gradients_and_calls_an_optimizers_own_
     a.grad = torch.ones(2)
     zero_grads(own)
     assert Master.calls == [True] and a.grad is None
+    patched = torch.optim.SGD([a], lr=0.1)   # an instance's own zero_grad, set on it
+    patched.zero_grad = lambda set_to_none=True: Master.calls.append(set_to_none)  # type: ignore[method-assign]
+    zero_grads(patched)
+    assert Master.calls == [True, True]
