@@ -188,6 +188,10 @@ class Wire:
         first, first_packed, first_metas = self._sent[stage]
         expected = follow(first_metas, self._table, first, a.microbatch)
         if (packed, metas) != (first_packed, expected):
+            if self.static and self._train:   # (no table then: begin_step refused it)
+                raise ValueError(f"static training shapes (--static-shapes): stage {stage}'s output is "
+                                 f"({describe(metas)}), in the first training step ({describe(first_metas)}); give "
+                                 f"every training step's microbatches one shape (pad them) or leave static shapes off")
             if self._table is None:
                 raise ValueError(f"stage {stage} output for microbatch {a.microbatch} is ({describe(metas)}) but for "
                                  f"microbatch {first} of this step it was ({describe(first_metas)}): with inputs of "
@@ -224,8 +228,11 @@ class Wire:
         seqs = {a: self._posted + i for i, a in enumerate(step)}   # program order: each link's order too
         self._posted += len(step)
         for a in sorted(step, key=lambda x: not x.kind.is_send):
-            if (a.kind, a.microbatch, a.chunk) in self._incoming or (a.kind in _HEADERS and self._as_before(a)):
-                continue   # posted with the step before ([Note: receives one step early]), or a header not sent
+            if (a.kind, a.microbatch, a.chunk) in self._incoming:
+                continue   # posted with the step before ([Note: receives one step early])
+            if (kept := self._first_header(a)) is not None:   # a header not sent: the stream as in the first step
+                (self._sent if a.kind is Kind.SEND_H else self._streams)[kept[0]] = (a.microbatch, *kept[1])
+                continue
             tr = self._transfer(a, seqs[a])
             transfers.append(tr)
             miss = self._missed.pop(self.stage_of(a.chunk), None) if a.kind is Kind.SEND_F else None
@@ -314,20 +321,14 @@ class Wire:
             base += 2 * 16 + 1   # the header's block (F: 0, H: 2), after the header's one tensor
         return [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
 
-    def _as_before(self, a: Action) -> bool:
-        """Whether header action ``a`` is left out, its stream taken as in the first training step ([Note: static
-        training shapes]); the sender checks its output against it."""
+    def _first_header(self, a: Action) -> tuple[int, tuple[bool, tuple[TensorMeta, ...]]] | None:
+        """For a header action left out ([Note: static training shapes]): its producer stage and the first training
+        step's header, which the stream keeps (the sender checks each output against it); else None."""
+        if a.kind not in _HEADERS or not (self.static and self._train):
+            return None
         producer = self.stage_of(a.chunk) - (a.kind is Kind.RECV_H)
-        first = self._heard.get((True, producer)) if self.static and self._train else None
-        if first is not None and a.kind is Kind.SEND_H:
-            packed, tensors = self._outgoing[(Kind.F, a.microbatch, a.chunk)]
-            if (packed, metas := tuple(TensorMeta(tuple(t.shape), t.dtype) for t in tensors)) != first[0]:
-                raise ValueError(f"static training shapes (--static-shapes): stage {producer}'s output is "
-                                 f"({describe(metas)}), in the first training step ({describe(first[0][1])}); give "
-                                 f"every training step's microbatches one shape (pad them) or leave static shapes off")
-        if first is not None:
-            (self._sent if a.kind is Kind.SEND_H else self._streams)[producer] = (a.microbatch, *first[0])
-        return first is not None
+        first = self._heard.get((True, producer))
+        return None if first is None else (producer, first[0])
 
     def _known(self, a: Action) -> bool:
         """Whether receive ``a``'s buffers can be made now: its stream's header came (recvF; or it is the first payload
