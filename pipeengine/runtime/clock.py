@@ -46,10 +46,8 @@ class ActionClock:
 
     ``mark()`` returns a time stamp (a float, or a recorded event); ``add()`` files a record with two
     stamps; ``records()`` turns them into :class:`ActionRecord` in seconds since ``start()``
-    (on CUDA it waits, through ``poll``, for the last event marked: the ones before it happened before it);
-    ``later()`` does the same when its result is called, on CPU (a step of many microbatches files hundreds of
-    records, about 0.1 ms of Python at the end of every step, for a caller who may never read them; on CUDA they are
-    made at once, so that a result kept unread holds no device events).
+    (on CUDA it waits, through ``poll``, for the last event marked, unless ``end()`` did: the ones before it
+    happened before it).
     """
 
     def __init__(self, rank: int, device: torch.device,
@@ -109,15 +107,6 @@ class ActionClock:
         ms = self._t0.elapsed_time
         return [ActionRecord(self.rank, stage, kind, mb, ms(s) / 1000.0, ms(e) / 1000.0)
                 for stage, kind, mb, s, e in self._pending]
-
-    def later(self) -> Callable[[], list[ActionRecord]]:
-        """The records filed since ``start()``, made when called (any time: the next ``start()`` keeps them; the
-        function holds the stamps, not the clock)."""
-        if self.cuda:
-            made = self.records()
-            return lambda: made
-        rank, t0, pending = self.rank, self._t0, list(self._pending)
-        return lambda: [ActionRecord(rank, stage, kind, mb, s - t0, e - t0) for stage, kind, mb, s, e in pending]
 
 
 def gather_records(records: list[ActionRecord], group: dist.ProcessGroup | None = None,

@@ -291,9 +291,8 @@ class PipelineEngine:
             raise
         if return_outputs and self.stages[-1].is_last:
             result.outputs = merged([self.stages[-1].outputs[k] for k in sorted(self.stages[-1].outputs)], self.pieces)
-        self.clock.mark()
-        result.step_time = self.clock.end()
-        result.records_later(self.clock.later())
+        result.records = self.clock.records()
+        result.step_time = self.clock.elapsed(self.clock.mark())
         return result
 
     # ------------------------------------------------------------------ a training step
@@ -303,7 +302,7 @@ class PipelineEngine:
         result = self._run(self.program, data_iter, train=True, keep_outputs=False)
         sync_start, synced = self.update.finish(result, buffers)
         result.step_time = self.clock.end()   # (one wait for the device: the stamps below are read after it)
-        result.records_later(self.clock.later())
+        result.records = self.clock.records()
         result.started_at = self.clock.started_at
         result.grad_sync_wait = self.clock.elapsed(synced) - self.clock.elapsed(sync_start)
         self.step_count += 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..schedule import Kind
 from .clock import ActionRecord
@@ -18,7 +18,7 @@ class StepResult:
     loss: float
     grad_norm: float | None = None
     step_time: float = 0.0
-    records: list[ActionRecord] = field(default_factory=list)   # made on the first read: see records_later()
+    records: list[ActionRecord] = field(default_factory=list)
     started_at: float = 0.0                                     # the records' zero on the host's wall clock
     peak_stored: dict[int, int] = field(default_factory=dict)   # stage -> peak microbatches held
     outputs: list[Any] | None = None                            # eval on the last stage, if asked
@@ -26,30 +26,6 @@ class StepResult:
     nonfinite: bool = False                                     # the loss or gradients were non-finite
     grad_sync_wait: float = 0.0                                 # seconds waiting for the DP all-reduce
     stop: int | None = None                                     # a signal some rank got: every rank stops here
-
-    def records_later(self, make: Callable[[], list[ActionRecord]]) -> None:
-        """``records`` made by ``make`` when first read (a step files hundreds: about 0.1 ms of Python each step, for a
-        caller who may never read them); every dataclass way to read the field (``asdict``, ``==``, ``repr``,
-        pickling, copies) reads them made."""
-        self.__dict__["records"] = make
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "records": self.records}
-
-
-def _records(result: StepResult) -> list[ActionRecord]:
-    made = result.__dict__["records"]
-    if callable(made):
-        made = result.__dict__["records"] = made()
-    return made  # type: ignore[no-any-return]
-
-
-def _set_records(result: StepResult, value: list[ActionRecord]) -> None:
-    result.__dict__["records"] = value
-
-
-# the field is a property once the dataclass is made: __init__, replace() and the rest go through it
-StepResult.records = property(_records, _set_records)  # type: ignore[assignment]
 
 
 @dataclass
