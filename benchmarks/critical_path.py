@@ -1,8 +1,8 @@
 """Where a pipeline step's time goes, engine against engine: its start, the fill's hops, the cooldown's, its end.
 
 ``python -m benchmarks.efficiency --critical-path ...`` (sleep stages, gpipe or 1f1b: one stage per rank, rank =
-position) runs each engine's steps again between barriers with every sleep stage stamping its parts
-(sleep_stages.RECORD; ``time.perf_counter``: CLOCK_MONOTONIC, one clock for the processes of a host). Per step,
+position) has every sleep stage stamp its parts in each engine's timed steps (sleep_stages.RECORD;
+``time.perf_counter``: CLOCK_MONOTONIC, one clock for the processes of a host). Per step,
 with t0 the earliest rank's call of its step:
 
 - start: t0 to position 0's first forward;
@@ -22,30 +22,25 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-import torch.distributed as dist
-
 import benchmarks.sleep_stages as sleep_stages
 
-__all__ = ["record_steps", "decompose", "summarise", "critical_path_table"]
+__all__ = ["RankStep", "stamped", "decompose", "summarise", "critical_path_table"]
 
 Stamp = tuple[str, float, float]     # (F | B | W, start, end) of one sleep-stage part
 RankStep = tuple[float, float, Sequence[Stamp]]   # one rank's step: its call, its return, its parts' stamps
 
 
-def record_steps(run_step: Callable[[], Any], steps: int) -> list[RankStep]:
-    """This rank's ``steps`` calls of ``run_step``, each between barriers, with the sleep stages' stamps."""
-    out: list[RankStep] = []
-    for _ in range(steps):
-        dist.barrier()
+def stamped(step: Callable[[], Any], into: list[RankStep]) -> Callable[[], None]:
+    """``step``, its call, return and sleep-stage stamps appended to ``into`` (to time between barriers as usual)."""
+    def run() -> None:
         sleep_stages.RECORD = []
         t0 = time.perf_counter()
         try:
-            run_step()
-            out.append((t0, time.perf_counter(), sleep_stages.RECORD))
+            step()
+            into.append((t0, time.perf_counter(), sleep_stages.RECORD))
         finally:
             sleep_stages.RECORD = None
-        dist.barrier()
-    return out
+    return run
 
 
 def decompose(ranks: Sequence[RankStep], microbatches: int) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from torch import nn
 
 from benchmarks.common import (append_jsonl, describe_real, efficiency_table, finish_and_exit, init_from_env,
                                mean_loss, timed_run, timed_steps)
-from benchmarks.critical_path import critical_path_table, decompose, record_steps, summarise
+from benchmarks.critical_path import RankStep, critical_path_table, decompose, stamped, summarise
 from benchmarks.sleep_stages import sleep_layers
 from pipeengine.runtime.engine import PipelineEngine
 from pipeengine.runtime.topology import Topology
@@ -156,18 +156,20 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     times: dict[str, list[float]] = {e: [] for e in runners}
     cpu: dict[str, list[float]] = {e: [] for e in runners}    # this rank's CPU seconds in each timed step
     runs: dict[str, list[float]] = {e: [] for e in runners}   # --back-to-back: seconds of each run of steps
+    paths: dict[str, list[RankStep]] = {e: [] for e in runners}   # --critical-path: each timed step's stamps
+    critical = critical and name in ("gpipe", "1f1b")   # one stage per rank, a whole backward: critical_path.py
     half = max(1, steps // 2)
     for rnd in range(2):   # alternate engines so machine noise hits both
         for e in runners:
-            times[e] += timed_steps(cpu_timed(runners[e]["step"], cpu[e]), half if rnd == 0 else steps - half)
+            run = stamped(runners[e]["step"], paths[e]) if critical else runners[e]["step"]
+            times[e] += timed_steps(cpu_timed(run, cpu[e]), half if rnd == 0 else steps - half)
             if back_to_back:
                 runs[e].append(timed_run(runners[e]["step"], half if rnd == 0 else steps - half))
-    critical = critical and name in ("gpipe", "1f1b")   # one stage per rank, a whole backward: critical_path.py
-    stamped = {e: record_steps(runners[e]["step"], steps) for e in runners} if critical else {}
     sched = runners["ours"]["engine"].schedule if "ours" in runners else None
     peaks, durations = runners["ours"]["stats"]() if "ours" in runners else ({}, {})
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (peaks, durations, stamped, {e: statistics.median(v) for e, v in cpu.items()}))
+    dist.all_gather_object(gathered, (peaks, durations, paths if critical else {},
+                                      {e: statistics.median(v) for e, v in cpu.items()}))
     if dist.get_rank() != 0:
         return None
     costs = Costs(*(x / v for x in t))
@@ -315,7 +317,7 @@ def main() -> None:
     p.add_argument("--static-shapes", action="store_true",
                    help="ours with static training shapes (no shape header after the first step), as torch's are")
     p.add_argument("--critical-path", action="store_true",
-                   help="also run each engine's steps with the sleep stages stamped and split each step into its "
+                   help="stamp the sleep stages in each engine's timed steps and split each step into its "
                         "start, the fill's hops, the cooldown's hops, its end and the rest, per engine "
                         "(benchmarks/critical_path.py; gpipe and 1f1b only, other schedules' rows have none)")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
