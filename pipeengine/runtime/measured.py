@@ -64,6 +64,16 @@ class LayerCost:
         f, b, w, fused = self.host
         return (f, b, w) if split else (f, max(0.0, fused - w), w)
 
+    def own_phases(self, split: bool) -> tuple[float, float, float]:
+        """:meth:`phases` less :meth:`host_phases`, never below 0 (on a busy machine a nearly empty layer can time
+        shorter than the engine's cost beside it); without a split, B + W is the fused backward less the engine's."""
+        hf, hb, hw, hfused = self.host
+        if split:
+            return max(0.0, self.f - hf), max(0.0, self.b - hb), max(0.0, self.w - hw)
+        whole = max(0.0, self.fused - hfused)
+        w = min(max(0.0, self.w - hw), whole)
+        return max(0.0, self.f - hf), whole - w, w
+
 
 @dataclass
 class Choice:

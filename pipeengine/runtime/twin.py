@@ -208,17 +208,6 @@ def _posts(schedule: Schedule, position: int, costs: Sequence[LayerCost], bounds
     return total
 
 
-def _own(c: LayerCost, apart: bool) -> tuple[float, float, float]:
-    """A layer's (F, B, W) less the engine's own cost timed beside it, never below 0 (on a busy machine a nearly empty
-    layer can time shorter than that); without a split backward, B + W is the fused backward less the engine's."""
-    (f, b, w), (hf, hb, hw) = c.phases(apart), c.host_phases(apart)
-    if apart:
-        return max(0.0, f - hf), max(0.0, b - hb), max(0.0, w - hw)
-    whole = max(0.0, b + w - hb - hw)
-    w = min(max(0.0, w - hw), whole)
-    return max(0.0, f - hf), whole - w, w
-
-
 def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Schedule, host: Host = HOST,
                 recompute: int | None | Sequence[int | None] = None) -> list[tuple[float, float, float]]:
     """Per stage its (F, B, W) seconds as a run takes them: its layers' measured phases with the engine's own cost
@@ -235,7 +224,7 @@ def stage_costs(costs: Sequence[LayerCost], bounds: Sequence[int], schedule: Sch
         once = not split or not segmented(s == 0, len(layers), regions[s] is not None, False,
                                           all(c.direct_w for c in layers))   # (ties: not seen here)
         apart = split and regions[s] != SELECTIVE   # a selective stage runs the fused backward (recompute.py)
-        own = [_own(c, apart) if once else c.phases(apart) for c in layers]
+        own = [c.own_phases(apart) if once else c.phases(apart) for c in layers]
         phases = [sum(o[k] for o in own) + once * max(c.host_phases(apart)[k] for c in layers) for k in range(3)]
         p = schedule.placement(s)[0]
         actions = sum(1 for a in schedule.compute_actions(p) if a.kind is not Kind.W)
