@@ -116,7 +116,7 @@ def engine_profile(schedule: str, m: int, steps: int) -> tuple[Records, list[flo
             _time_python_before_first_op(engine, delays)
         res = engine.train_batch(iter([(x, None)] * m) if engine.needs_data else None)
         if step >= 2:
-            t0 = engine.clock._t0
+            t0 = res.started_at   # the records' zero on the host's clock, which every rank shares
             mine.append([(r.kind, r.microbatch, r.start + t0, r.end + t0) for r in res.records])
     del engine.wire.post, engine.wire._issue   # unwrap: no reference cycle keeps the engine (and its groups) alive
     del engine

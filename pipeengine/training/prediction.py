@@ -118,7 +118,7 @@ def run_facts(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
               zero: bool, sample_inputs: Any, elements: int, early_receives: bool, clip: bool) -> dict[str, Any]:
     """What the twin takes of the run beyond the plan (twin.predict's arguments): data parallelism, the optimizer's
     state per parameter and speed (timed on ``elements`` floats), the input's bytes, the cores, the host, whether the
-    wire posts receives early (wire.posts_early), whether the gradients are clipped."""
+    wire posts receives early (transfer.posts_early), whether the gradients are clipped."""
     probe = torch.nn.Parameter(torch.zeros(1, device=device))
     states = optimizer_states(build([probe]))
     processes, cores = node_cores(device)

@@ -180,7 +180,6 @@ class Reporter:
             return
         records = {rank: recs for rank, (recs, _, _) in got.items()}
         self.memory = {self.topo.position_of(rank): mem for rank, (_, mem, _) in got.items()}
-        drawn = side_by_side(records, {rank: at for rank, (_, _, at) in got.items()})   # one time axis
         topo, engine = self.topo, self.engine
         step_time = max(r.end for rs in records.values() for r in rs)
         parts = decompose(records, step_time)   # replica 0's ranks, one per position
@@ -197,10 +196,12 @@ class Reporter:
         if self.twin is not None:   # beside the measured figures: the step's and each position's peak
             self.writer.log_scalars(step, {"time/predicted_step_s": self.twin.step_s, **{
                 f"memory/position{p}/predicted_mib": m.total / 2**20 for p, m in enumerate(self.twin.memory)}})
-        if timeline:
-            self.writer.log_timeline(step, drawn)
-        if trace:
-            chrome_trace(drawn, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
+        if timeline or trace:
+            drawn = side_by_side(records, {rank: at for rank, (_, _, at) in got.items()})   # one time axis
+            if timeline:
+                self.writer.log_timeline(step, drawn)
+            if trace:
+                chrome_trace(drawn, os.path.join(self.run_dir, f"trace_step{step}.json"), step)
 
     def step_done(self, step: int, wall: float, data: float, pipeline: float,
                   tokens: Callable[[int], tuple[int, int, int]]) -> None:
