@@ -146,13 +146,16 @@ def efficiency_table(rows: list[dict[str, Any]]) -> str:
                      f"{f('ours_median_s')} | {f('ours_efficiency')} | {f('ours_efficiency_vs_measured_costs')} | "
                      f"{f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
                      f"{f('torch_efficiency')} | {f('ratio_ours_over_torch', '{:.2f}x')} |")
-    fits, cpu = excess_fits(rows), excess_fits(rows, cpu=True)
+    fits, cpu, main = excess_fits(rows), excess_fits(rows, cpu=True), excess_fits(rows, cpu=True, main=True)
     if fits:   # the host's cost per microbatch: the excess over the ideal, fitted as intercept + slope x m; and the CPU
         lines += ["", "| schedule | pp | engine | excess slope (ms per microbatch) | excess intercept (ms) | "
-                  "host CPU per microbatch, all ranks (ms) | host CPU per step, fixed (ms) |", "|---" * 7 + "|"]
+                  "host CPU per microbatch, all ranks (ms) | host CPU per step, fixed (ms) | of the CPU per "
+                  "microbatch, the main threads' (ms) |", "|---" * 8 + "|"]
         lines += [f"| {name} | {pp} | {engine} | {1e3 * slope:.3f} | {1e3 * icept:.2f} | "
                   + (" | ".join(f"{v:.3f}" for v in cpu[(name, pp, engine)]) if (name, pp, engine) in cpu
-                     else "n/a | n/a") + " |" for (name, pp, engine), (slope, icept) in fits.items()]
+                     else "n/a | n/a")
+                  + (f" | {main[(name, pp, engine)][0]:.3f} |" if (name, pp, engine) in main else " | n/a |")
+                  for (name, pp, engine), (slope, icept) in fits.items()]
     if any("ratio_ours_over_torch_back_to_back" in r for r in rows):   # --back-to-back
         lines += ["", "| schedule | pp | m | ours back to back (s per step) | torch | torch + training loop | "
                   "ours/torch back to back | ours/torch training back to back |", "|---" * 8 + "|"]
@@ -173,15 +176,16 @@ def _or_na(row: dict[str, Any], key: str, fmt: str) -> str:
     return fmt.format(row[key]) if key in row else "n/a"
 
 
-def excess_fits(rows: list[dict[str, Any]], cpu: bool = False) -> dict[tuple[str, int, str], tuple[float, float]]:
+def excess_fits(rows: list[dict[str, Any]], cpu: bool = False,
+                main: bool = False) -> dict[tuple[str, int, str], tuple[float, float]]:
     """Per (schedule, pp, engine) measured at two or more microbatch counts: the least-squares line of the step's
     excess over the ideal (measured - ideal seconds) in m, as (slope, intercept); ``cpu``: of the step's CPU time
-    summed over the ranks (ms; the host's own cost, apart from how long it waited)."""
+    summed over the ranks (ms; the host's own cost, apart from how long it waited), ``main``: their main threads'."""
     fits = {}
     for name, pp in dict.fromkeys((r["schedule"], r["pp"]) for r in rows):
         mine = [r for r in rows if (r["schedule"], r["pp"]) == (name, pp)]
         for engine in ("ours", "torch", "torch-train"):
-            key = f"{engine}_cpu_ms_per_step" if cpu else f"{engine}_median_s"
+            key = f"{engine}_cpu{'_main' if main else ''}_ms_per_step" if cpu else f"{engine}_median_s"
             points = [(r["microbatches"], r[key] if cpu else r[key] - r["ideal_s"]) for r in mine if key in r]
             if len({m for m, _ in points}) < 2:
                 continue

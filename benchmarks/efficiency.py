@@ -14,7 +14,8 @@ each engine, the simulator's ideal makespan for the same costs (free communicati
 ideal / measured, overhead per compute action, peak stored activations per stage, and the
 throughput ratio ours / torch.distributed.pipelining, and each engine's CPU time per step summed over the
 ranks (``time.process_time``: the host's own cost, apart from how long it waited; fitted in m with the excess when
-two or more m are run). Engines alternate (ours, theirs, ours, ...).
+two or more m are run), and of it the main threads' (``time.thread_time``: the engine's Python and the calls it
+makes; the rest is the backend's own threads). Engines alternate (ours, theirs, ours, ...).
 ``--engines ours torch torch-train`` adds torch's step() followed by what a training loop adds to it
 and ours does inside its step (the grad-norm all-reduce, the optimizer step, zero_grad), and the ratio
 of training steps. Each step is timed between barriers, so a step's end counts in full (the decision
@@ -128,13 +129,14 @@ def theirs(name: str, pp: int, m: int, t: tuple[float, float, float], act: tuple
     return {"step": step}
 
 
-def cpu_timed(step: Callable[[], None], into: list[float]) -> Callable[[], None]:
-    """``step``, its CPU seconds (this process, every thread: the host's cost, however long it waited) appended to
-    ``into``."""
+def cpu_timed(step: Callable[[], None], into: list[tuple[float, float]]) -> Callable[[], None]:
+    """``step``, its CPU seconds appended to ``into``: this process's, every thread's (the host's cost, however long it
+    waited), and the main thread's alone (the training loop's Python and what it calls; the rest is the backend's
+    threads: Gloo's, moving the data)."""
     def run() -> None:
-        start = time.process_time()
+        start, main = time.process_time(), time.thread_time()
         step()
-        into.append(time.process_time() - start)
+        into.append((time.process_time() - start, time.thread_time() - main))
     return run
 
 
@@ -154,7 +156,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
             errors[e] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             runners.pop(e, None)
     times: dict[str, list[float]] = {e: [] for e in runners}
-    cpu: dict[str, list[float]] = {e: [] for e in runners}    # this rank's CPU seconds in each timed step
+    cpu: dict[str, list[tuple[float, float]]] = {e: [] for e in runners}   # this rank's CPU seconds per timed step
     runs: dict[str, list[float]] = {e: [] for e in runners}   # --back-to-back: seconds of each run of steps
     paths: dict[str, list[RankStep]] = {e: [] for e in runners}   # --critical-path: each timed step's stamps
     critical = critical and name in ("gpipe", "1f1b")   # one stage per rank, a whole backward: critical_path.py
@@ -169,7 +171,7 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     peaks, durations = runners["ours"]["stats"]() if "ours" in runners else ({}, {})
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (peaks, durations, paths if critical else {},
-                                      {e: statistics.median(v) for e, v in cpu.items()}))
+                                      {e: [statistics.median(c) for c in zip(*v)] for e, v in cpu.items()}))
     if dist.get_rank() != 0:
         return None
     costs = Costs(*(x / v for x in t))
@@ -181,7 +183,8 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     for e, ts in times.items():
         med = statistics.median(ts)
         row[f"{e}_median_s"] = med
-        row[f"{e}_cpu_ms_per_step"] = 1e3 * sum(g[3][e] for g in gathered)   # every rank's, every thread's
+        row[f"{e}_cpu_ms_per_step"] = 1e3 * sum(g[3][e][0] for g in gathered)   # every rank's, every thread's
+        row[f"{e}_cpu_main_ms_per_step"] = 1e3 * sum(g[3][e][1] for g in gathered)   # every rank's main thread's
         row[f"{e}_efficiency"] = ideal / med
         row[f"{e}_overhead_ms_per_action"] = (med - ideal) / actions_per_rank * 1000
     if critical:   # each engine's step in parts (benchmarks/critical_path.py)
