@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,7 +41,8 @@ SCRIPTS = {
 
 
 class Ranks:
-    """A script's processes (one, or two ranks of a process group, rank 0 first), ended as one."""
+    """A script's processes (one, or two ranks of a process group, rank 0 first), ended as one: when a rank fails the
+    others are killed, as torchrun would (they would wait for it in a collective)."""
 
     def __init__(self, cmd: list[str], out: Path) -> None:
         ranks = 1
@@ -53,16 +55,30 @@ class Ranks:
         self.procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                       for r in range(ranks)]
+        self.outputs: list[tuple[str, str]] = [("", "")] * ranks
+        self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(ranks)]
+        for t in self.readers:   # (their pipes never fill while another rank is waited for)
+            t.start()
+
+    def _read(self, rank: int) -> None:
+        self.outputs[rank] = self.procs[rank].communicate()
 
     def communicate(self, timeout: float) -> subprocess.CompletedProcess[str]:
         """Every rank's outcome: the first non-zero exit status (else 0), their outputs one after the other."""
-        deadline = time.monotonic() + timeout
-        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in self.procs]
-        code = next((p.returncode for p in self.procs if p.returncode), 0)
-        return subprocess.CompletedProcess(self.args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
+        deadline, code = time.monotonic() + timeout, 0
+        while any(p.poll() is None for p in self.procs):
+            code = code or next((p.returncode for p in self.procs if p.returncode), 0)   # a rank's own failure
+            if code or time.monotonic() > deadline:
+                self.kill()
+            time.sleep(0.1)
+        self.kill()
+        assert time.monotonic() <= deadline, f"{' '.join(self.args)}: still running after {timeout:.0f} s"
+        code = code or next((p.returncode for p in self.procs if p.returncode), 0)
+        return subprocess.CompletedProcess(self.args, code, "".join(o for o, _ in self.outputs),
+                                           "".join(e for _, e in self.outputs))
 
     def kill(self) -> None:
-        """Each rank and what it started, if still running (a test that did not wait: -k)."""
+        """Each rank still running and what it started; their outputs read to the end."""
         for proc in self.procs:
             if proc.poll() is None:
                 for pid in process_tree(proc.pid):
@@ -70,7 +86,8 @@ class Ranks:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                proc.communicate()
+        for t in self.readers:
+            t.join()
 
 
 @pytest.fixture(scope="module")
