@@ -150,16 +150,16 @@ if (( MAX_NODES > 1 )); then
              "(the same on every node)" >&2; exit 2
     fi
     if (( NODE_RANK > 0 )); then   # node 0 hosts the rendezvous: wait for it here, and say so if it never comes
-        WAITED=0
+        SECONDS=0; ASKED=0   # asked every 0.2 s: the node joins as soon as node 0's rendezvous is up
         until (exec 3<>"/dev/tcp/$MASTER_ADDR/$MASTER_PORT") 2>/dev/null; do
-            if (( WAITED >= ${RDZV_TIMEOUT:-120} )); then
+            if (( SECONDS >= ${RDZV_TIMEOUT:-120} )); then
                 echo "pipe.sh: node 0 ($MASTER_ADDR:$MASTER_PORT) did not answer within ${RDZV_TIMEOUT:-120} s;" \
                      "start node 0 first (NODE_RANK=0), or check MASTER_ADDR, MASTER_PORT and the firewall" >&2
                 exit 2
             fi
-            (( WAITED == 0 )) && echo "pipe.sh: waiting for node 0 at $MASTER_ADDR:$MASTER_PORT" \
-                                      "(up to RDZV_TIMEOUT=${RDZV_TIMEOUT:-120} s)" >&2
-            sleep 1; WAITED=$((WAITED + 1))
+            (( ASKED++ == 0 )) && echo "pipe.sh: waiting for node 0 at $MASTER_ADDR:$MASTER_PORT" \
+                                       "(up to RDZV_TIMEOUT=${RDZV_TIMEOUT:-120} s)" >&2
+            sleep 0.2
         done
     fi
     # c10d rendezvous: --max-restarts restarts the group on every node, and NNODES=MIN:MAX lets it shrink.
