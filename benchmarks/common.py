@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import socket
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["ROOT", "HERE", "README", "RESULTS", "torchrun_command", "excess_fits", "free_port", "init_from_env",
            "finish_and_exit", "timed_steps", "mean_loss", "append_jsonl", "read_jsonl", "write_readme_block",
-           "efficiency_table", "describe_real", "process_tree"]
+           "efficiency_table", "describe_real", "process_tree", "kill_tree", "start_ranks", "wait_ranks"]
 
 ROOT = Path(__file__).resolve().parent.parent      # the repository root: scripts run from here, as ``-m benchmarks.X``
 HERE = ROOT / "benchmarks"
@@ -47,6 +49,48 @@ def torchrun_command(nproc: int, module: str, args: Iterable[str]) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc_per_node N -m benchmarks.X ...`` (run with cwd=ROOT)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "-m", module, *args]
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and every process below it (those gone meanwhile are passed over)."""
+    for pid in process_tree(root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_ranks(cmd: list[str], nproc: int, env: dict[str, str] | None = None,
+                **popen: Any) -> list[subprocess.Popen[Any]]:
+    """``nproc`` processes of ``cmd``, ranks of one process group: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in their environment, as ``torchrun --standalone`` sets them,
+    without torchrun's own interpreter (one import of torch fewer on a 2-core machine). ``popen``: Popen's
+    arguments (``stdout`` may be a list, one per rank)."""
+    base = dict(os.environ if env is None else env, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    outs = popen.pop("stdout", None)
+    return [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                             stdout=outs[r] if isinstance(outs, list) else outs, **popen) for r in range(nproc)]
+
+
+def wait_ranks(procs: list[subprocess.Popen[Any]], timeout: float) -> tuple[str, int]:
+    """Wait for every rank; when one fails, or ``timeout`` seconds pass, kill the others (they would wait for it in a
+    collective), as torchrun's agent does. Returns what went wrong ("" if nothing: the first rank that failed by
+    itself and its exit status, or the time out) and the rank whose output says why (the failed one, else 0)."""
+    deadline, failed, culprit = time.monotonic() + timeout, "", 0
+    while True:
+        alive = [p for p in procs if p.poll() is None]
+        bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if not failed and bad:
+            failed, culprit = f"rank {bad[0]} exited with {procs[bad[0]].returncode}", bad[0]
+        elif not failed and alive and time.monotonic() > deadline:
+            failed = f"timed out after {timeout:.0f} s"
+        if not alive:
+            return failed, culprit
+        if failed:
+            for p in alive:
+                kill_tree(p.pid)
+        time.sleep(0.1)
 
 
 def free_port() -> int:
@@ -146,7 +190,7 @@ def efficiency_table(rows: list[dict[str, Any]]) -> str:
                      f"{f('ours_median_s')} | {f('ours_efficiency')} | {f('ours_efficiency_vs_measured_costs')} | "
                      f"{f('ours_overhead_ms_per_action', '{:.2f}')} | {f('torch_median_s')} | "
                      f"{f('torch_efficiency')} | {f('ratio_ours_over_torch', '{:.2f}x')} |")
-    fits, cpu, main = excess_fits(rows), excess_fits(rows, cpu=True), excess_fits(rows, cpu=True, main=True)
+    fits, cpu, main = (excess_fits(rows, key) for key in ("median_s", "cpu_ms_per_step", "cpu_main_ms_per_step"))
     if fits:   # the host's cost per microbatch: the excess over the ideal, fitted as intercept + slope x m; and the CPU
         lines += ["", "| schedule | pp | engine | excess slope (ms per microbatch) | excess intercept (ms) | "
                   "host CPU per microbatch, all ranks (ms) | host CPU per step, fixed (ms) | of the CPU per "
@@ -176,17 +220,17 @@ def _or_na(row: dict[str, Any], key: str, fmt: str) -> str:
     return fmt.format(row[key]) if key in row else "n/a"
 
 
-def excess_fits(rows: list[dict[str, Any]], cpu: bool = False,
-                main: bool = False) -> dict[tuple[str, int, str], tuple[float, float]]:
-    """Per (schedule, pp, engine) measured at two or more microbatch counts: the least-squares line of the step's
-    excess over the ideal (measured - ideal seconds) in m, as (slope, intercept); ``cpu``: of the step's CPU time
-    summed over the ranks (ms; the host's own cost, apart from how long it waited), ``main``: their main threads'."""
+def excess_fits(rows: list[dict[str, Any]], key: str = "median_s") -> dict[tuple[str, int, str], tuple[float, float]]:
+    """Per (schedule, pp, engine) measured at two or more microbatch counts: the least-squares line in m of the step's
+    excess over the ideal (``median_s``: measured - ideal seconds), or of another per-step figure of the engine's
+    (``cpu_ms_per_step``: the step's CPU time summed over the ranks, the host's own cost apart from how long it
+    waited; ``cpu_main_ms_per_step``: their main threads'), as (slope, intercept)."""
     fits = {}
     for name, pp in dict.fromkeys((r["schedule"], r["pp"]) for r in rows):
         mine = [r for r in rows if (r["schedule"], r["pp"]) == (name, pp)]
         for engine in ("ours", "torch", "torch-train"):
-            key = f"{engine}_cpu{'_main' if main else ''}_ms_per_step" if cpu else f"{engine}_median_s"
-            points = [(r["microbatches"], r[key] if cpu else r[key] - r["ideal_s"]) for r in mine if key in r]
+            k = f"{engine}_{key}"
+            points = [(r["microbatches"], r[k] - (r["ideal_s"] if key == "median_s" else 0.0)) for r in mine if k in r]
             if len({m for m, _ in points}) < 2:
                 continue
             fits[(name, pp, engine)] = tuple(statistics.linear_regression(*zip(*points)))

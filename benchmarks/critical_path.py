@@ -45,16 +45,17 @@ def stamped(step: Callable[[], Any], into: list[RankStep]) -> Callable[[], None]
 
 def decompose(ranks: Sequence[RankStep], microbatches: int) -> dict[str, Any]:
     """One step's parts in seconds (see the module docstring) from every rank's step, in position order, of a
-    schedule whose backward is whole (gpipe, 1f1b): a rank's last backward is its last ``1/microbatches`` of B and
-    W stamps (the first position has no input gradient, so W only)."""
+    schedule whose backward is whole (gpipe, 1f1b: the caller's to know, a split one's stamps count alike): a rank's
+    last backward is its last ``1/microbatches`` of B and W stamps (the first position has no input gradient, so W
+    only)."""
     t0, end = min(r[0] for r in ranks), max(r[1] for r in ranks)
     firsts, lasts = [], []
     for _, _, stamps in ranks:
         forwards = sorted((s for s in stamps if s[0] == "F"), key=lambda s: s[1])
         backwards = sorted((s for s in stamps if s[0] in "BW"), key=lambda s: s[1])
         if not forwards or not backwards or len(backwards) % microbatches:
-            raise ValueError(f"a rank stamped {len(forwards)} forwards and {len(backwards)} backward parts, not "
-                             f"a whole backward per microbatch ({microbatches}): run gpipe or 1f1b")
+            raise ValueError(f"a rank stamped {len(forwards)} forwards and {len(backwards)} backward parts: not a "
+                             f"whole number per microbatch ({microbatches}), as a whole backward per microbatch gives")
         last = backwards[-(len(backwards) // microbatches):]
         firsts.append(forwards[0])
         lasts.append((min(s[1] for s in last), max(s[2] for s in last)))

@@ -170,8 +170,8 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     sched = runners["ours"]["engine"].schedule if "ours" in runners else None
     peaks, durations = runners["ours"]["stats"]() if "ours" in runners else ({}, {})
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (peaks, durations, paths if critical else {},
-                                      {e: [statistics.median(c) for c in zip(*v)] for e, v in cpu.items()}))
+    dist.all_gather_object(gathered, {"peaks": peaks, "durations": durations, "paths": paths if critical else {},
+                                      "cpu": {e: [statistics.median(c) for c in zip(*v)] for e, v in cpu.items()}})
     if dist.get_rank() != 0:
         return None
     costs = Costs(*(x / v for x in t))
@@ -183,18 +183,18 @@ def run_config(name: str, pp: int, m: int, t: tuple[float, float, float], act: t
     for e, ts in times.items():
         med = statistics.median(ts)
         row[f"{e}_median_s"] = med
-        row[f"{e}_cpu_ms_per_step"] = 1e3 * sum(g[3][e][0] for g in gathered)   # every rank's, every thread's
-        row[f"{e}_cpu_main_ms_per_step"] = 1e3 * sum(g[3][e][1] for g in gathered)   # every rank's main thread's
+        row[f"{e}_cpu_ms_per_step"] = 1e3 * sum(g["cpu"][e][0] for g in gathered)   # every rank's, every thread's
+        row[f"{e}_cpu_main_ms_per_step"] = 1e3 * sum(g["cpu"][e][1] for g in gathered)   # every rank's main thread's
         row[f"{e}_efficiency"] = ideal / med
         row[f"{e}_overhead_ms_per_action"] = (med - ideal) / actions_per_rank * 1000
     if critical:   # each engine's step in parts (benchmarks/critical_path.py)
-        row["critical_path_ms"] = {e: summarise([decompose([g[2][e][i] for g in gathered], m) for i in range(steps)])
-                                   for e in runners}
+        row["critical_path_ms"] = {e: summarise([decompose([g["paths"][e][i] for g in gathered], m)
+                                                 for i in range(steps)]) for e in runners}
     if "ours" in times and sched is not None:
-        row["ours_peak_stored"] = {str(k): v for p, *_ in gathered for k, v in p.items()}
+        row["ours_peak_stored"] = {str(k): v for g in gathered for k, v in g["peaks"].items()}
         # the simulator fed each rank's measured mean action times: what is left is the engine's overhead
         per_rank = []
-        for _, ds, *_ in gathered:
+        for ds in (g["durations"] for g in gathered):
             mean = {k: statistics.mean(ds[k] or [0.0]) for k in ("F", "B", "W")}
             per_rank.append(Costs(mean["F"], mean["B"], mean["W"] if sched.split_backward else 0.0))
         row["measured_action_ms"] = [[round(c.f * 1000, 2), round(c.b * 1000, 2), round(c.w * 1000, 2)]

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 import pipeengine.models.gpt as gpt
-from benchmarks.common import RESULTS, ROOT, append_jsonl, free_port, write_readme_block
+from benchmarks.common import RESULTS, ROOT, append_jsonl, start_ranks, wait_ranks, write_readme_block
 from benchmarks.memory_tables import extra_table, gpt_table, matrix_table, table_head
 from benchmarks.memory_worker import COLS, DEEP_LAYERS, MIB, TORCH_SCHEDULES, key_of
 from pipeengine.runtime.engine import PipelineEngine
@@ -89,30 +89,14 @@ def launch(nproc: int, wargs: list[str], out_dir: str, timeout: float) -> tuple[
     """
     cmd = [sys.executable, "-m", "benchmarks.memory_worker", *wargs]
     print("+", " ".join(cmd[1:]), flush=True)
-    env = dict(os.environ, **WORKER_ENV, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     logs = [open(os.path.join(out_dir, f"log.rank{r}.txt"), "w") for r in range(nproc)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
-    deadline, failed = time.time() + timeout, ""
-    while any(p.poll() is None for p in procs):
-        bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-        if bad or time.time() > deadline:
-            failed = (f"rank {bad[0]} exited with {procs[bad[0]].returncode}" if bad
-                      else f"timed out after {timeout:.0f} s")
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.2)
-    for p in procs:
-        p.wait()
-    for fh in logs:
-        fh.close()
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if bad and not failed:
-        failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
-    with open(os.path.join(out_dir, f"log.rank{bad[0] if bad else 0}.txt")) as fh:
+    try:
+        failed, rank = wait_ranks(start_ranks(cmd, nproc, dict(os.environ, **WORKER_ENV), cwd=ROOT, stdout=logs,
+                                              stderr=subprocess.STDOUT), timeout)
+    finally:
+        for fh in logs:
+            fh.close()
+    with open(os.path.join(out_dir, f"log.rank{rank}.txt")) as fh:
         tail = fh.read()[-2000:]
     return not failed, (failed + "\n" + tail) if failed else tail
 

@@ -10,7 +10,6 @@ import gc
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,20 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import process_tree
+from benchmarks.common import free_port, kill_tree, process_tree
 from pipeengine.runtime import release
 
-__all__ = ["free_port", "process_tree", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job", "pipe_sh_command",
-           "start_pipe_sh_job", "python_cli", "on_a_terminal", "ROOT"]
+__all__ = ["free_port", "kill_tree", "process_tree", "run_distributed", "WorldPool", "pipe_sh", "pipe_sh_job",
+           "pipe_sh_command", "start_pipe_sh_job", "python_cli", "on_a_terminal", "ROOT"]
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _context() -> Any:

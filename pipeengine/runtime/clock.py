@@ -59,7 +59,7 @@ class ActionClock:
         self._t0: Any = None
         self.started_at = 0.0    # time.time() at start()
         self._last: Any = None   # the last stamp marked
-        self._settled = False    # the device got past every stamp marked so far (end() waited for it)
+        self._settled = False    # the device got past every stamp marked so far (_settle() waited for the last)
         self._pending: list[tuple[int, Phase, int, Any, Any]] = []
 
     def mark(self) -> Any:
@@ -81,29 +81,30 @@ class ActionClock:
     def add(self, stage: int, kind: Phase, microbatch: int, start: Any, end: Any) -> None:
         self._pending.append((stage, kind, microbatch, start, end))
 
+    def _settle(self, stamp: Any) -> None:
+        """On CUDA, wait (through ``poll``) for ``stamp`` unless the device is known past it; the last stamp marked
+        settles every one before it (they were recorded before it, on the same stream)."""
+        if self.cuda and not self._settled:
+            self._poll(stamp)
+            self._settled = stamp is self._last
+
     def elapsed(self, stamp: Any) -> float:
         """Seconds from ``start()`` to ``stamp``."""
         if self.cuda:
-            if not self._settled:
-                self._poll(stamp)
+            self._settle(stamp)
             return float(self._t0.elapsed_time(stamp)) / 1000.0
         return float(stamp - self._t0)
 
     def end(self) -> float:
-        """Seconds from ``start()`` to the last stamp marked (on CUDA it waits for it: every stamp before it happened
-        before it, so the ones read after need no wait)."""
-        if self.cuda:
-            self._poll(self._last)
-            self._settled = True
+        """Seconds from ``start()`` to the last stamp marked (on CUDA it waits for it, so the stamps read after need no
+        wait)."""
         return self.elapsed(self._last)
 
     def records(self) -> list[ActionRecord]:
         if not self.cuda:
             return [ActionRecord(self.rank, stage, kind, mb, s - self._t0, e - self._t0)
                     for stage, kind, mb, s, e in self._pending]
-        if not self._settled:
-            self._poll(self._last)   # one wait: every stamp was recorded before it, on the same stream
-            self._settled = True
+        self._settle(self._last)   # one wait at most
         ms = self._t0.elapsed_time
         return [ActionRecord(self.rank, stage, kind, mb, ms(s) / 1000.0, ms(e) / 1000.0)
                 for stage, kind, mb, s, e in self._pending]

@@ -291,8 +291,8 @@ class PipelineEngine:
             raise
         if return_outputs and self.stages[-1].is_last:
             result.outputs = merged([self.stages[-1].outputs[k] for k in sorted(self.stages[-1].outputs)], self.pieces)
+        result.step_time = self.clock.elapsed(self.clock.mark())   # (the loss's sum included; one wait on CUDA)
         result.records = self.clock.records()
-        result.step_time = self.clock.elapsed(self.clock.mark())
         return result
 
     # ------------------------------------------------------------------ a training step

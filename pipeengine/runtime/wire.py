@@ -230,7 +230,7 @@ class Wire:
         for a in sorted(step, key=lambda x: not x.kind.is_send):
             if (a.kind, a.microbatch, a.chunk) in self._incoming:
                 continue   # posted with the step before ([Note: receives one step early])
-            if (kept := self._first_header(a)) is not None:   # a header not sent: the stream as in the first step
+            if a.kind in _HEADERS and (kept := self._first_header(a)) is not None:   # not sent: as in the first step
                 (self._sent if a.kind is Kind.SEND_H else self._streams)[kept[0]] = (a.microbatch, *kept[1])
                 continue
             tr = self._transfer(a, seqs[a])
@@ -322,9 +322,9 @@ class Wire:
         return [(tr, t, 0 if base is None else base + i) for i, t in enumerate(tr.tensors)]
 
     def _first_header(self, a: Action) -> tuple[int, tuple[bool, tuple[TensorMeta, ...]]] | None:
-        """For a header action left out ([Note: static training shapes]): its producer stage and the first training
+        """For header action ``a`` left out ([Note: static training shapes]): its producer stage and the first training
         step's header, which the stream keeps (the sender checks each output against it); else None."""
-        if a.kind not in _HEADERS or not (self.static and self._train):
+        if not (self.static and self._train):
             return None
         producer = self.stage_of(a.chunk) - (a.kind is Kind.RECV_H)
         first = self._heard.get((True, producer))

@@ -11,50 +11,44 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from tests.harness import ROOT, free_port, process_tree
+from benchmarks.common import kill_tree, start_ranks, wait_ranks
+from tests.harness import ROOT
 
-TORCHRUN = ["ranks=2", sys.executable]   # two ranks, each ``python -m benchmarks.X ...``
-SCRIPTS = {
-    "efficiency": [*TORCHRUN, "-m", "benchmarks.efficiency", "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
-                   "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out",
-                   "{out}", "--engines", "ours", "torch", "torch-train", "--back-to-back", "--critical-path"],
-    "efficiency-real": [*TORCHRUN, "-m", "benchmarks.efficiency", "--real", "--hidden", "64", "--depth", "4",
-                        "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", "{out}"],
-    "overhead": [*TORCHRUN, "-m", "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"],
-    "memory": [sys.executable, "-m", "benchmarks.memory", "--pp", "2", "--microbatches", "8", "12",
-               "--schedules", "1f1b", "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", "{out}"],
-    "profile_noise": [sys.executable, "-m", "benchmarks.profile_noise", "--blocks", "4", "--width", "32"],
-    "lateness": [sys.executable, "-m", "benchmarks.lateness", "--reps", "5", "--waits", "0.1", "1"],
-    "real": [*TORCHRUN, "-m", "benchmarks.real", "--model", "mlp", "--preset", "tiny", "-m", "4",
-             "--micro-batch-size", "4", "--rounds", "2", "--out", "{out}"],
+PY = [sys.executable, "-m"]
+SCRIPTS = {   # name -> (its ranks, its command)
+    "efficiency": (2, [*PY, "benchmarks.efficiency", "--schedules", "1f1b", "zb-h1", "--microbatches", "4",
+                       "--tf", "0.002", "--tb", "0.002", "--tw", "0.002", "--steps", "2", "--warmup", "1", "--out",
+                       "{out}", "--engines", "ours", "torch", "torch-train", "--back-to-back", "--critical-path"]),
+    "efficiency-real": (2, [*PY, "benchmarks.efficiency", "--real", "--hidden", "64", "--depth", "4",
+                            "--global-batch", "32", "--microbatches", "4", "--steps", "2", "--out", "{out}"]),
+    "overhead": (2, [*PY, "benchmarks.overhead", "--microbatches", "4", "--steps", "1", "--reps", "2"]),
+    "memory": (1, [*PY, "benchmarks.memory", "--pp", "2", "--microbatches", "8", "12", "--schedules", "1f1b",
+                   "--act-mib", "2", "--steps", "1", "--no-gpt", "--no-extra", "--out", "{out}"]),
+    "profile_noise": (1, [*PY, "benchmarks.profile_noise", "--blocks", "4", "--width", "32"]),
+    "lateness": (1, [*PY, "benchmarks.lateness", "--reps", "5", "--waits", "0.1", "1"]),
+    "real": (2, [*PY, "benchmarks.real", "--model", "mlp", "--preset", "tiny", "-m", "4",
+                 "--micro-batch-size", "4", "--rounds", "2", "--out", "{out}"]),
 }
 
 
 class Ranks:
-    """A script's processes (one, or two ranks of a process group, rank 0 first), ended as one: when a rank fails the
-    others are killed, as torchrun would (they would wait for it in a collective)."""
+    """A script's processes (one, or the ranks of a process group: benchmarks.common.start_ranks), ended as one: when a
+    rank fails the others are killed, as torchrun would (they would wait for it in a collective)."""
 
-    def __init__(self, cmd: list[str], out: Path) -> None:
-        ranks = 1
-        if cmd[0].startswith("ranks="):
-            ranks, cmd = int(cmd[0].removeprefix("ranks=")), cmd[1:]
-        cmd = [a.replace("{out}", str(out)) for a in cmd]
-        env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        self.args = cmd
-        self.procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                      for r in range(ranks)]
+    def __init__(self, ranks: int, cmd: list[str], out: Path) -> None:
+        self.args = [a.replace("{out}", str(out)) for a in cmd]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        pipes: dict[str, Any] = {"cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        self.procs = (start_ranks(self.args, ranks, env, **pipes) if ranks > 1
+                      else [subprocess.Popen(self.args, env=env, **pipes)])
         self.outputs: list[tuple[str, str]] = [("", "")] * ranks
         self.readers = [threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(ranks)]
         for t in self.readers:   # (their pipes never fill while another rank is waited for)
@@ -64,28 +58,19 @@ class Ranks:
         self.outputs[rank] = self.procs[rank].communicate()
 
     def communicate(self, timeout: float) -> subprocess.CompletedProcess[str]:
-        """Every rank's outcome: the first non-zero exit status (else 0), their outputs one after the other."""
-        deadline, code = time.monotonic() + timeout, 0
-        while any(p.poll() is None for p in self.procs):
-            code = code or next((p.returncode for p in self.procs if p.returncode), 0)   # a rank's own failure
-            if code or time.monotonic() > deadline:
-                self.kill()
-            time.sleep(0.1)
-        self.kill()
-        assert time.monotonic() <= deadline, f"{' '.join(self.args)}: still running after {timeout:.0f} s"
-        code = code or next((p.returncode for p in self.procs if p.returncode), 0)
-        return subprocess.CompletedProcess(self.args, code, "".join(o for o, _ in self.outputs),
-                                           "".join(e for _, e in self.outputs))
+        """Every rank's outcome: the exit status of the rank that failed (else 0), their outputs one after the other."""
+        failed, culprit = wait_ranks(self.procs, timeout)
+        for t in self.readers:
+            t.join()
+        assert not failed.startswith("timed out"), f"{' '.join(self.args)}: {failed}"
+        return subprocess.CompletedProcess(self.args, self.procs[culprit].returncode if failed else 0,
+                                           "".join(o for o, _ in self.outputs), "".join(e for _, e in self.outputs))
 
     def kill(self) -> None:
         """Each rank still running and what it started; their outputs read to the end."""
         for proc in self.procs:
             if proc.poll() is None:
-                for pid in process_tree(proc.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_tree(proc.pid)
         for t in self.readers:
             t.join()
 
@@ -94,9 +79,9 @@ class Ranks:
 def scripts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Ranks, Path]]]:
     """Every benchmark script started at once (name -> (its ranks, its --out file))."""
     started = {}
-    for name, cmd in SCRIPTS.items():
+    for name in SCRIPTS:
         out = tmp_path_factory.mktemp(name) / "out.jsonl"
-        started[name] = (Ranks(cmd, out), out)
+        started[name] = (Ranks(*SCRIPTS[name], out), out)
     yield started
     for ranks, _ in started.values():
         ranks.kill()
@@ -158,8 +143,8 @@ def test_the_efficiency_table_fits_the_excess_and_the_cpu_in_m() -> None:
              "ours_cpu_main_ms_per_step": 1.0 + 0.5 * m,
              "torch_median_s": 0.006 * (m + 1) + 0.0004 * m} for m in (4, 8, 16)]
     assert excess_fits(rows)[("1f1b", 2, "ours")] == pytest.approx((0.0005, 0.001))
-    assert excess_fits(rows, cpu=True)[("1f1b", 2, "ours")] == pytest.approx((0.75, 2.0))
-    assert excess_fits(rows, cpu=True, main=True)[("1f1b", 2, "ours")] == pytest.approx((0.5, 1.0))
+    assert excess_fits(rows, "cpu_ms_per_step")[("1f1b", 2, "ours")] == pytest.approx((0.75, 2.0))
+    assert excess_fits(rows, "cpu_main_ms_per_step")[("1f1b", 2, "ours")] == pytest.approx((0.5, 1.0))
     table = efficiency_table(rows)
     assert "| 1f1b | 2 | ours | 0.500 | 1.00 | 0.750 | 2.000 | 0.500 |" in table
     assert "| 1f1b | 2 | torch | 0.400 | " in table and table.endswith("| n/a | n/a | n/a |")   # torch's CPU: none

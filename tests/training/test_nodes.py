@@ -28,7 +28,7 @@ import torch
 from pipeengine.training.cli import parse_args
 from pipeengine.training.export import export
 from pipeengine.training.trainer import run
-from tests.harness import ROOT, WorldPool, free_port, process_tree
+from tests.harness import ROOT, WorldPool, free_port, kill_tree
 from tests.training.test_checkpoint import _worker_pid
 
 FLAGS = ["--model", "mlp", "--log-interval", "1", "--eval-interval", "0", "--timeline-interval", "0",
@@ -87,12 +87,7 @@ def _kill_a_worker(launcher: subprocess.Popen[str]) -> None:
 
 def _the_node_dies(launcher: subprocess.Popen[str]) -> None:
     """Every process of the launcher's node at once, with SIGKILL (launcher, torchrun, workers): a node gone."""
-    node = process_tree(launcher.pid)
-    for pid in node:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(launcher.pid)
 
 
 def _train(rank: int, world: int, flags: list[str]) -> dict[str, Any]:
